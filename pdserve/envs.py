@@ -1,0 +1,20 @@
+"""Every environment variable pdserve reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where fetched models and compiled CPU kernels live (PDSERVE_CACHE_DIR, else ~/.cache/pdserve)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pdserve"
+
+
+def kernel_backend() -> str | None:
+    """Force a kernel backend ("reference", "cpu", "triton"); None lets the launcher choose."""
+    return os.environ.get("PDSERVE_KERNEL_BACKEND") or None
