@@ -55,6 +55,11 @@ class ModelConfig:
             )
 
     @property
+    def o_proj_bias(self) -> bool:
+        """Llama puts ``attention_bias`` on o_proj too; Qwen2 biases only q/k/v."""
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -66,7 +71,9 @@ class ModelConfig:
             hidden = int(d["hidden_size"])
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            scaling = d.get("rope_scaling") or None
+            # transformers >= 5 writes "rope_parameters" (rope_theta inside); older: rope_scaling + rope_theta.
+            scaling = d.get("rope_parameters") or d.get("rope_scaling") or None
+            rope_theta = float((scaling or {}).get("rope_theta", d.get("rope_theta", 10000.0)))
             rope_scaling = None
             if scaling is not None:
                 kind = scaling.get("rope_type", scaling.get("type"))
@@ -92,7 +99,7 @@ class ModelConfig:
                 num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
                 head_dim=int(d.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=rope_theta,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),

@@ -1,0 +1,115 @@
+"""The ``pdserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.model.fetch import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a Hugging Face model folder, a .gguf file, or {DEFAULT_MODEL!r} (default; fetched once)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it, else fp32), bfloat16, float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: 10%% of memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+
+
+def _llm_from(args):
+    from pdserve.config import CacheConfig, SchedulerConfig
+    from pdserve.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+               cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def cmd_generate(args) -> int:
+    from pdserve.sampling_params import SamplingParams
+
+    llm = _llm_from(args)
+    chat = not args.raw and llm.tokenizer is not None and llm.tokenizer.has_chat_template
+    prompt = llm.chat_prompt(args.prompt) if chat else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    reason = None
+    for _, out in llm.generate_stream([prompt], params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        reason = out.finish_reason
+    sys.stdout.write("\n")
+    print(f"[finish_reason={reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_model_fetch(args) -> int:
+    from pdserve.model.fetch import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from pdserve.bench_offline import run_offline_bench
+
+    run_offline_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    g.add_argument("prompt")
+    _engine_args(g)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("model", help="manage models")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    f = msub.add_parser("fetch", help="fetch and convert a model into the local cache; prints its folder")
+    from pdserve.model.fetch import DEFAULT_MODEL
+
+    f.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    f.set_defaults(func=cmd_model_fetch)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    o = bsub.add_parser("offline", help="engine throughput: prefill tokens/s, decode tokens/s at several batch sizes")
+    _engine_args(o)
+    o.add_argument("--batch-sizes", default="1,8,32,64")
+    o.add_argument("--prompt-len", type=int, default=512)
+    o.add_argument("--output-len", type=int, default=128)
+    o.add_argument("--hf-baseline", action="store_true",
+                   help="also time Hugging Face transformers' generate at batch 1 (needs transformers)")
+    o.add_argument("--json", default=None, help="also write the results to this JSON file")
+    o.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Engine configuration: frozen dataclasses, validated once at start-up.
+
+Each component receives only the piece it needs (the runner a ``CacheConfig``, the scheduler a
+``SchedulerConfig``); ``EngineConfig`` only groups them for the CLI and the offline API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """"auto" means bf16 where the hardware computes it natively (CUDA, AVX512-BF16/AMX CPUs), else fp32.
+
+    Measured on a 2-core Zen 3 (AVX2 only): bf16 linear layers at 32 tokens were 4x slower than fp32.
+    """
+    if name == "auto":
+        if device.startswith("cuda") or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``block_size`` tokens per block; pool size from bytes or a memory fraction."""
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: at most ``max_num_seqs`` running, ``max_num_batched_tokens`` per forward."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads; None: all cores of the machine
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of: auto, {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)

@@ -1,0 +1,165 @@
+"""LLMEngine: one step is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.kv_cache.allocator import BlockAllocator
+from pdserve.model.config import ModelConfig
+from pdserve.model.fetch import resolve_model
+from pdserve.runner import ModelRunner
+from pdserve.sampler import TokenLogprobs
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import Scheduler
+from pdserve.sequence import Sequence
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request (streaming deltas); ``finished`` on its last one."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class _TextState:
+    """Detokenizes one request and applies its stop strings (the text ends before the stop string).
+
+    Text that might still turn out to be the start of a stop string is held back until it cannot be.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, token_id: int) -> bool:
+        """Append a token; True if a stop string completed."""
+        if self.detok is None:
+            return False
+        self.text += self.detok.step(token_id)
+        for s in self.stop:
+            # Only the newly added tail (plus overlap) can contain a new match.
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                return True
+        return False
+
+    def take(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        folder = resolve_model(config.model)
+        self.model_config = ModelConfig.from_file(folder / "config.json")
+        # A folder without tokenizer.json still serves token-id prompts (text output is then empty).
+        self.tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").exists() else None
+        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(tok_eos)))
+        self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.dtype = config.torch_dtype
+        self.runner = ModelRunner(folder, self.model_config, config.cache, self.dtype,
+                                  torch.device(config.device), self.max_model_len)
+        self.allocator = BlockAllocator(self.runner.pool.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
+        self._seqs: dict[str, Sequence] = {}
+        self._texts: dict[str, _TextState] = {}
+        self._ids = itertools.count()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty; give at least one token")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
+                f"exceeds this model's context of {self.max_model_len} tokens"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty; give a non-empty string")
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer.json; pass prompts as token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        ids = self.encode(prompt)
+        self.validate(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        self._texts[request_id] = _TextState(self.tokenizer, params.stop)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        self._texts.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        seqs, tokens, logprobs = self.runner.run(batch)
+        self.scheduler.postprocess(batch)
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        seq.output_logprobs.append(logprobs)
+        text = self._texts[seq.request_id]
+        reason = "stop" if text.add(token) else seq.check_token_stop()
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id], self._texts[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=text.take(finished=reason is not None),
+            new_logprobs=[logprobs],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks

@@ -1,0 +1,53 @@
+"""KV pool tensors: per layer one K and one V pool ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pdserve.config import CacheConfig
+from pdserve.model.config import ModelConfig
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> int:
+    budget = cache.kv_cache_bytes
+    if budget is None:
+        budget = int(_device_memory_bytes(device) * cache.kv_cache_memory_fraction)
+    per_block = bytes_per_block(model, cache.block_size, dtype)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block; one block of {cache.block_size} tokens "
+            f"needs {per_block} bytes for this model"
+        )
+    return num_blocks
+
+
+class KVCachePool:
+    """Owns the KV memory of one worker; blocks are handed out by a ``BlockAllocator``."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # torch.empty: a block's content is defined only once written (stale data is never read
+        # because attention stops at each sequence's context length).
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)
+        ]

@@ -1,0 +1,51 @@
+"""Attention over the paged KV cache for a mixed batch: prefill chunks first, then decode tokens.
+
+    token index:  0 ........ num_prefill_tokens-1 | num_prefill_tokens ... num_tokens-1
+    belongs to:   prefill chunks, packed per seq   | one decode token per sequence
+
+Every token's K/V is written to its slot first; then the prefill part attends with
+``prefill_attention`` and the decode part with ``paged_decode_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None  # [num_prefill_seqs, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None  # [num_prefill_seqs + 1] int32
+    prefill_context_lens: torch.Tensor | None  # [num_prefill_seqs] int32, cached + new tokens
+    decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decode_seqs] int32, including the new token
+
+
+def paged_attention(
+    ops,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    k_cache, v_cache = kv_cache
+    ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    n = meta.num_prefill_tokens
+    parts = []
+    if n:
+        parts.append(
+            ops.prefill_attention(q[:n], k_cache, v_cache, meta.prefill_block_tables,
+                                  meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+        )
+    if n < q.shape[0]:
+        parts.append(
+            ops.paged_decode_attention(q[n:], k_cache, v_cache, meta.decode_block_tables,
+                                       meta.decode_context_lens, scale)
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Everything the forward pass needs is passed in: ``model(input_ids, positions, kv_caches, meta)``.
+q/k/v and gate/up projections are fused into one matrix each (one GEMM instead of three/two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position, precomputed in fp32; rotate-half convention (as Hugging Face)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.scale = cfg.head_dim**-0.5
+        self.rope = rope
+        self.ops = ops
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = paged_attention(self.ops, q, k, v, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_rows, vocab]
+
+
+# Our parameter -> the Hugging Face tensors stacked into it (dim 0), in order.
+STACKED_PARAMS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Our parameter prefix -> the Hugging Face prefix.
+RENAMES = {"embed_tokens.": "model.embed_tokens.", "layers.": "model.layers.", "norm.": "model.norm.",
+           "lm_head.": "lm_head."}
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
+    """Fill ``model`` from Hugging Face names (STACKED_PARAMS, RENAMES); every parameter must be found."""
+    params = dict(model.named_parameters())  # tied lm_head shares embed_tokens and is not listed twice
+    missing = []
+    with torch.no_grad():
+        for name, param in params.items():
+            hf_name = next(h + name[len(o):] for o, h in RENAMES.items() if name.startswith(o))
+            parts = [hf_name]
+            for ours, theirs in STACKED_PARAMS.items():
+                if ours in hf_name:
+                    parts = [hf_name.replace(ours, t) for t in theirs]
+            if any(p not in hf for p in parts):
+                missing.extend(p for p in parts if p not in hf)
+                continue
+            tensor = torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {parts} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.copy_(tensor)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")

@@ -1,0 +1,116 @@
+"""ModelRunner: owns the model and its KV pool; turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import kernels
+from pdserve.config import CacheConfig
+from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.config import ModelConfig
+from pdserve.model.llama import LlamaForCausalLM, load_hf_state_dict
+from pdserve.model.weights import load_state_dict
+from pdserve.sampler import TokenLogprobs, sample
+from pdserve.scheduler import ScheduledBatch
+from pdserve.sequence import Sequence
+
+
+def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
+    load_hf_state_dict(model, load_state_dict(folder, dtype))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
+    sampling_seqs: list[Sequence]
+
+
+def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    width = max(len(s.block_table) for s in seqs)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+class ModelRunner:
+    def __init__(self, folder: Path, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.block_size = cache.block_size
+        self.model = load_model(folder, cfg, dtype, device, max_model_len)
+        self.pool = KVCachePool(cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        query_start = [0]
+        prefill_context = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ids.extend(seq.prompt_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self.slot(seq, p) for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            prefill_context.append(start + n)
+            if start + n == seq.num_prompt_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampling_seqs.append(seq)
+        num_prefill_tokens = len(ids)
+        for seq in batch.decodes:
+            pos = seq.num_tokens - 1
+            ids.append(seq.token_at(pos))
+            positions.append(pos)
+            slots.append(self.slot(seq, pos))
+            sample_rows.append(len(ids) - 1)
+            sampling_seqs.append(seq)
+        dev = self.device
+        i32 = torch.int32
+        prefill_seqs = [s for s, _ in batch.prefills]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=_block_tables(prefill_seqs, dev) if prefill_seqs else None,
+            prefill_query_start_loc=torch.tensor(query_start, dtype=i32, device=dev) if prefill_seqs else None,
+            prefill_context_lens=torch.tensor(prefill_context, dtype=i32, device=dev) if prefill_seqs else None,
+            decode_block_tables=_block_tables(batch.decodes, dev) if batch.decodes else None,
+            decode_context_lens=(torch.tensor([s.num_tokens for s in batch.decodes], dtype=i32, device=dev)
+                                 if batch.decodes else None),
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampling_seqs=sampling_seqs,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.sample_indices]).cpu()
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+        """Forward the batch and sample; returns the sequences that got a token, their tokens, logprobs."""
+        inputs = self.prepare(batch)
+        logits = self.forward_logits(inputs)
+        if not inputs.sampling_seqs:
+            return [], [], []
+        tokens, logprobs = sample(logits, [s.sampler_row() for s in inputs.sampling_seqs])
+        return inputs.sampling_seqs, tokens, logprobs

@@ -1,0 +1,71 @@
+"""Batched sampling: one pass over the logits of every sequence that samples this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded per request, so its draws don't depend on the batch
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """``logits`` [num_rows, vocab] fp32 -> one token per row (and its logprobs where asked)."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, dtype=torch.long)
+        tokens[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want:
+        idx = torch.tensor(want, dtype=torch.long)
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        k = max(rows[i].params.logprobs for i in want)
+        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+        chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs
+            top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+            logprobs[i] = TokenLogprobs(token_list[i], chosen[j], top)
+    return token_list, logprobs
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_ks = [r.params.top_k for r in rows]
+    if any(top_ks):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+        sorted_vals = logits.sort(dim=-1, descending=True).values
+        kth = sorted_vals.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    if (top_ps < 1).any():
+        sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_vals.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the best always stays).
+        drop = probs.cumsum(dim=-1) - probs >= top_ps[:, None]
+        sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_vals)
+    probs = logits.softmax(dim=-1)
+    # Gumbel-max in exponential form: argmax(p / E), E ~ Exp(1), drawn per row from its own generator.
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)

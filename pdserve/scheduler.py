@@ -1,0 +1,123 @@
+"""Continuous batching at iteration level, with chunked prefill and admission by reservation.
+
+Each step: every decoding sequence gets one token, the rest of the token budget goes to prompt
+chunks (running prefills first, then newly admitted requests, FCFS). A request is admitted only
+when blocks for its whole lifetime (prompt + max_tokens - 1) can be allocated, so no running
+request ever runs out of KV mid-decode and nothing is ever evicted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv_cache.allocator import BlockAllocator, prefix_block_hashes
+from pdserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new prompt tokens)
+    decodes: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        needed = blocks_needed(seq.max_kv_tokens, self.block_size)
+        if needed > self.allocator.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks ({seq.max_kv_tokens} tokens) but the whole cache has "
+                f"{self.allocator.num_blocks}; lower max_tokens or enlarge the KV cache"
+            )
+        if self.enable_prefix_caching:
+            seq.block_hashes = prefix_block_hashes(seq.prompt_token_ids, self.block_size)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if not seq.in_prefill and budget > 0:
+                batch.decodes.append(seq)
+                budget -= 1
+        for seq in self.running:
+            if seq.in_prefill and budget > 0:
+                n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+                batch.prefills.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._allocate(seq):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+            batch.prefills.append((seq, n))
+            budget -= n
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """After the forward: advance computed counts and publish newly completed prompt blocks."""
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+            full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+            for i in range(full):
+                self.allocator.register_hash(seq.block_table[i], seq.block_hashes[i])
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a request (finished, aborted, failed) and free its blocks; idempotent."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _allocate(self, seq: Sequence) -> bool:
+        """Blocks for the request's whole lifetime, reusing cached full prompt blocks (all or nothing)."""
+        reused: list[int] = []
+        # Leave at least one prompt token to compute: its logits give the first output token.
+        max_reuse = (seq.num_prompt_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[:max_reuse]:
+            block = self.allocator.take_cached(block_hash)
+            if block is None:
+                break
+            reused.append(block)
+        rest = blocks_needed(seq.max_kv_tokens, self.block_size) - len(reused)
+        if not self.allocator.can_allocate(rest):
+            self.allocator.free(reused)
+            return False
+        seq.block_table = reused + self.allocator.allocate(rest)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(reused) * self.block_size
+        return True

@@ -1,0 +1,79 @@
+"""One request's state inside an engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.sampler import SamplerRow, TokenLogprobs
+from pdserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token bookkeeping for one request.
+
+        positions:  0 ........................ num_computed_tokens ........ num_tokens
+                    KV already in the cache   | tokens still to run through the model
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full prompt blocks
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV slots this request can ever need: the last sampled token is never fed back."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    def token_at(self, position: int) -> int:
+        n = self.num_prompt_tokens
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def sampler_row(self) -> SamplerRow:
+        return SamplerRow(self.params, self.generator)
+
+    def check_token_stop(self) -> str | None:
+        """Finish reason after the newest token, from token ids alone (stop strings are the engine's)."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        return None

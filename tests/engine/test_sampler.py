@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from pdserve.sampler import SamplerRow, sample
+from pdserve.sampling_params import SamplingParams
+
+
+def row(**kw):
+    p = SamplingParams(**kw)
+    g = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+    return SamplerRow(p, g)
+
+
+def test_greedy_picks_argmax_per_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    tokens, lps = sample(logits, [row(temperature=0), row(temperature=0)])
+    assert tokens == [1, 0] and lps == [None, None]
+
+
+def test_top_k_1_is_greedy_even_with_temperature():
+    logits = torch.randn(4, 50)
+    tokens, _ = sample(logits, [row(temperature=1.5, top_k=1, seed=i) for i in range(4)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus():
+    # probs ~ [0.64, 0.24, 0.09, 0.03]: top_p=0.5 leaves only token 0, top_p=0.8 tokens {0, 1}.
+    logits = torch.log(torch.tensor([[0.64, 0.24, 0.09, 0.03]]))
+    seen_05 = {sample(logits, [row(temperature=1, top_p=0.5, seed=s)])[0][0] for s in range(50)}
+    seen_08 = {sample(logits, [row(temperature=1, top_p=0.8, seed=s)])[0][0] for s in range(200)}
+    assert seen_05 == {0}
+    assert seen_08 == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_batch_neighbours():
+    logits = torch.randn(3, 100)
+    alone, _ = sample(logits[1:2], [row(temperature=1.0, seed=7)])
+    batched, _ = sample(logits, [row(temperature=0.5, seed=1), row(temperature=1.0, seed=7), row(temperature=0)])
+    assert batched[1] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    params = SamplingParams(temperature=1.0)
+    for _ in range(3000):
+        t, _ = sample(probs.log()[None], [SamplerRow(params, g)])
+        counts[t[0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    tokens, lps = sample(logits, [row(temperature=0, logprobs=2)])
+    ref = torch.log_softmax(logits[0], -1)
+    assert lps[0].token_id == 2 and lps[0].logprob == pytest.approx(ref[2].item())
+    assert [t for t, _ in lps[0].top] == [2, 1]
+    assert lps[0].top[1][1] == pytest.approx(ref[1].item())
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(logprobs=21), "logprobs must be None or an integer in"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+])
+def test_invalid_sampling_values_are_clear_errors(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)

@@ -1,0 +1,128 @@
+import pytest
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv_cache.allocator import BlockAllocator
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import Scheduler
+from pdserve.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=16, max_num_seqs=8, budget=64):
+    alloc = BlockAllocator(num_blocks)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), alloc, BS), alloc
+
+
+def seq(rid, prompt_len, max_tokens=4, first=0):
+    return Sequence(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(s: Scheduler, token=1):
+    """What the engine does around the model: schedule, (forward), postprocess, append tokens."""
+    batch = s.schedule()
+    s.postprocess(batch)
+    for q in [q for q, _ in batch.prefills if not q.in_prefill] + batch.decodes:
+        q.output_token_ids.append(token)
+        reason = q.check_token_stop()
+        if reason:
+            s.finish(q, reason)
+    return batch
+
+
+def test_admission_reserves_the_whole_lifetime():
+    s, alloc = make(num_blocks=16)
+    q = seq("a", prompt_len=6, max_tokens=7)  # 6 + 7 - 1 = 12 KV tokens -> 3 blocks
+    s.add(q)
+    s.schedule()
+    assert len(q.block_table) == 3 and alloc.num_used_blocks == 3
+
+
+def test_full_cache_keeps_requests_waiting_fcfs_and_frees_everything():
+    s, alloc = make(num_blocks=4)
+    a, b, c = seq("a", 8, 5), seq("b", 4, 1), seq("c", 2, 1)  # blocks: a 12 tokens = 3, b 4 = 1, c 1
+    for q in (a, b, c):
+        s.add(q)
+    first = run_step(s)
+    assert [q.request_id for q, _ in first.prefills] == ["a", "b"]
+    assert c.status is SequenceStatus.WAITING  # no block left for it
+    admitted_c = False
+    while s.has_unfinished():
+        batch = run_step(s)
+        admitted_c |= any(q is c for q, _ in batch.prefills)
+    assert admitted_c and alloc.num_free_blocks == 4
+    assert all(q.status is SequenceStatus.FINISHED for q in (a, b, c))
+
+
+def test_requests_larger_than_the_cache_are_refused_at_once():
+    s, _ = make(num_blocks=2)
+    with pytest.raises(ValueError, match="needs 3 KV blocks .* whole cache has 2"):
+        s.add(seq("big", prompt_len=9, max_tokens=2))
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s, alloc = make(budget=5)
+    q = seq("a", prompt_len=12, max_tokens=2)
+    s.add(q)
+    chunks = []
+    while q.in_prefill:
+        batch = run_step(s)
+        assert batch.num_tokens <= 5
+        chunks.append(batch.prefills[0][1])
+    assert chunks == [5, 5, 2]
+    while s.has_unfinished():
+        run_step(s)
+    assert alloc.num_free_blocks == alloc.num_blocks
+
+
+def test_decodes_come_first_and_max_num_seqs_caps_the_batch():
+    s, alloc = make(max_num_seqs=2, budget=64)
+    qs = [seq(str(i), 3, max_tokens=3) for i in range(3)]
+    for q in qs:
+        s.add(q)
+    b1 = run_step(s)
+    assert len(b1.prefills) == 2 and not b1.decodes
+    b2 = run_step(s)
+    assert len(b2.decodes) == 2 and not b2.prefills  # the third waits for a free seat
+    while s.has_unfinished():
+        run_step(s)
+    assert alloc.num_free_blocks == alloc.num_blocks
+
+
+def test_prefix_blocks_are_reused_and_shared_safely():
+    s, alloc = make(num_blocks=16)
+    a = seq("a", prompt_len=10, max_tokens=2)  # 2 full blocks of prompt
+    s.add(a)
+    run_step(s)  # prefill a fully; its two full prompt blocks get hashes
+    b = seq("b", prompt_len=10, max_tokens=2)  # the same prompt
+    s.add(b)
+    batch = s.schedule()
+    assert b.num_cached_tokens == 8 and batch.prefills == [(b, 2)]
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert alloc.ref_count(a.block_table[0]) == 2
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert alloc.num_free_blocks == 16
+
+
+def test_prefix_reuse_always_leaves_a_token_to_compute():
+    s, _ = make()
+    a = seq("a", prompt_len=8, max_tokens=2)  # exactly two full blocks
+    s.add(a)
+    run_step(s)
+    b = seq("b", prompt_len=8, max_tokens=2)
+    s.add(b)
+    batch = s.schedule()
+    assert b.num_cached_tokens == 4 and batch.prefills == [(b, 4)]
+
+
+def test_abort_of_waiting_and_running_frees_blocks():
+    s, alloc = make(num_blocks=3)
+    a, b = seq("a", 8, 2), seq("b", 8, 2)  # 3 blocks each: b must wait
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b, "abort")
+    s.finish(a, "abort")
+    s.finish(a, "abort")  # idempotent
+    assert alloc.num_free_blocks == 3 and not s.has_unfinished()
