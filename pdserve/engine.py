@@ -39,8 +39,8 @@ class _TextState:
     Text that might still turn out to be the start of a stop string is held back until it cannot be.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
@@ -58,6 +58,11 @@ class _TextState:
                 self.text = self.text[:i]
                 return True
         return False
+
+    def flush(self) -> None:
+        """At the end: text held back for an incomplete character."""
+        if self.detok is not None:
+            self.text += self.detok.flush()
 
     def take(self, finished: bool) -> str:
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
@@ -121,7 +126,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        self._texts[request_id] = _TextState(self.tokenizer, params.stop)
+        self._texts[request_id] = _TextState(self.tokenizer, ids, params.stop)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -145,7 +150,9 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         seq.output_logprobs.append(logprobs)
         text = self._texts[seq.request_id]
-        reason = "stop" if text.add(token) else seq.check_token_stop()
+        reason = "stop" if text.add(token) else None
+        if reason is None and (reason := seq.check_token_stop()) is not None:
+            text.flush()  # not cut by a stop string: emit any held-back partial character
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id], self._texts[seq.request_id]

