@@ -171,7 +171,7 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None
         from transformers import AutoTokenizer
     except ImportError:
         raise ValueError(
-            "converting a GGUF tokenizer needs transformers; install it with: pip install 'pdserve[reference]'"
+            "converting a GGUF tokenizer needs transformers (a pdserve dependency); install it with: pip install transformers"
         ) from None
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out_dir))

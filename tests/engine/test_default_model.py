@@ -61,7 +61,7 @@ def test_32_requests_joining_at_different_steps_match_running_alone(llm):
     rng = random.Random(0)
     vocab_words = ["river", "stone", "light", "music", "engine", "garden", "paper", "cloud", "winter", "signal"]
     requests = []
-    for i in range(32):
+    for _ in range(32):
         text = " ".join(rng.choice(vocab_words) for _ in range(rng.randint(3, 120)))
         requests.append((rng.randint(0, 40), llm.tokenizer.encode(text), rng.randint(1, 24)))
     engine = llm.engine
