@@ -6,6 +6,15 @@ import argparse
 import sys
 
 
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with K, M or G") from None
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from pdserve.model.fetch import DEFAULT_MODEL
 
@@ -14,7 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it, else fp32), bfloat16, float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: 10%% of memory)")
+    p.add_argument("--kv-cache-bytes", type=_size, default=None,
+                   help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -95,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--output-len", type=int, default=128)
     o.add_argument("--hf-baseline", action="store_true",
                    help="also time Hugging Face transformers' generate at batch 1 (needs transformers)")
+    o.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                   help="also print a torch.profiler table of decode steps at this batch size")
     o.add_argument("--json", default=None, help="also write the results to this JSON file")
     o.set_defaults(func=cmd_bench_offline)
     return parser
