@@ -7,5 +7,54 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 - ``prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> out``
 - ``gather_blocks(cache, block_ids) -> buf`` / ``scatter_blocks(cache, block_ids, buf)``
 
-``get_backend(device)`` picks the implementation for a device.
+``get_backend(device)`` picks the implementation for a device:
+
+========  ==========================================  =====================================
+device    backend                                     falls back to reference when
+========  ==========================================  =====================================
+cuda      ``kernels.triton`` (Triton kernels)         triton is not installed
+cpu       ``kernels.cpu`` (C decode kernel + SDPA)    the C kernel cannot build (per call)
+other     ``kernels.reference``
+========  ==========================================  =====================================
+
+``PDSERVE_KERNEL_BACKEND`` (``envs.kernel_backend()``) forces "reference", "cpu" or "triton".
 """
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("reference", "cpu", "triton")
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(f"kernels.{name}")
+
+
+def get_backend(device: torch.device | str) -> ModuleType:
+    """The kernel module for tensors on ``device`` (see the table above)."""
+    forced = envs.kernel_backend()
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(
+                f"PDSERVE_KERNEL_BACKEND={forced!r} is not a kernel backend; use one of {BACKENDS}"
+            )
+        return _load(forced)
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        try:
+            return _load("triton")
+        except ImportError as exc:
+            logger.warning("Triton unavailable (%s); CUDA kernels use the reference", exc)
+            return _load("reference")
+    if device_type == "cpu":
+        return _load("cpu")
+    return _load("reference")

@@ -1,0 +1,317 @@
+/*
+ * Paged decode attention on CPU, reading K/V blocks in place from the paged pool.
+ *
+ * Pool layout (K and V alike): [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16.
+ * One task per (sequence, kv head) handles that kv head's `group` query heads together, so each
+ * K/V row is read from memory once; tasks run in parallel with OpenMP. Softmax is online (running
+ * max and sum per query head) in fp32, one tile of at most TILE tokens of a block at a time:
+ *
+ *     block b of the sequence:  rows t0 .. t0+n-1   (row stride num_kv_heads * head_dim)
+ *     scores[h][t] = (q[h] * scale) . k[t]           h < group, t < n
+ *     m' = max(m, max_t scores[h]); l = l * e^(m - m') + sum_t e^(scores[h][t] - m')
+ *     acc[h] = acc[h] * e^(m - m') + sum_t e^(scores[h][t] - m') * v[t]
+ *
+ * bf16 rows are widened to fp32 (a 16-bit shift) into per-thread scratch once per tile; fp32
+ * rows are read straight from the pool. The next block's rows are prefetched while this one runs.
+ *
+ * Built with GNU C vector extensions (gcc >= 9, clang): 8-lane fp32 vectors map to AVX/AVX2
+ * registers (or two NEON registers), without -ffast-math, so exp keeps its accuracy. The score
+ * and PV loops keep eight independent FMA chains in flight; one chain would wait on FMA latency.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define TILE 32 /* tokens per softmax tile; a multiple of 8 */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Unaligned, aliasing-safe vector access (memcpy here gets merged into byte-copy loops). */
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+
+static inline v8f load8f(const float *p) { return *(const v8f_u *)p; }
+
+static inline void store8f(float *p, v8f v) { *(v8f_u *)p = v; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* exp(x) for x <= 0 (Cephes expf: exp(x) = 2^n exp(r), |r| <= ln2/2, ~1 ulp); x < -87 -> 0. */
+static inline v8f exp8_nonpos(v8f x) {
+    const v8i keep = x > splat(-87.0f);
+    x = (v8f)(((v8i)x & keep) | ((v8i)splat(-87.0f) & ~keep));
+    v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    v8f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v8f y = p * r * r + r + 1.0f;
+    v8i pow2n = (__builtin_convertvector(n, v8i) + 127) << 23;
+    y = y * (v8f)pow2n;
+    return (v8f)((v8i)y & keep);
+}
+
+/* Sum of each of 8 vectors: out[j] = sum of a[j]'s lanes (a transpose by shuffles, 21 ops). */
+static inline v8f reduce8(const v8f *a) {
+    v8f x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        y[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* scores[t] = q . k[t * stride] for t < n, 8 rows at a time (8 independent FMA chains); rows
+ * past n repeat row n - 1 and their scores are set to -inf, up to the next multiple of 8. */
+static inline void qk_tile(const float *restrict q, const float *restrict k, int64_t stride, int n,
+                           int head_dim, float *restrict scores) {
+    const int d8 = head_dim & ~7;
+    for (int t0 = 0; t0 < n; t0 += 8) {
+        const float *rows[8];
+        for (int j = 0; j < 8; j++) rows[j] = k + (t0 + j < n ? t0 + j : n - 1) * stride;
+        v8f a[8];
+        for (int j = 0; j < 8; j++) a[j] = splat(0.0f);
+        for (int d = 0; d < d8; d += 8) {
+            const v8f qv = load8f(q + d);
+            for (int j = 0; j < 8; j++) a[j] += qv * load8f(rows[j] + d);
+        }
+        v8f sum = reduce8(a);
+        for (int d = d8; d < head_dim; d++)
+            for (int j = 0; j < 8; j++) sum[j] += q[d] * rows[j][d];
+        for (int j = n - t0; j < 8; j++) sum[j] = -INFINITY;
+        store8f(scores + t0, sum);
+    }
+}
+
+/* acc = acc * alpha + sum_t p[t] * v[t * stride] for t < n; 64 columns at a time so that eight
+ * FMA chains run side by side. */
+static inline void pv_tile(const float *restrict p, const float *restrict v, int64_t stride, int n,
+                           int head_dim, float alpha, float *restrict acc) {
+    int d = 0;
+    for (; d + 64 <= head_dim; d += 64) {
+        v8f a[8];
+        for (int j = 0; j < 8; j++) a[j] = load8f(acc + d + 8 * j) * alpha;
+        for (int t = 0; t < n; t++) {
+            const v8f pt = splat(p[t]);
+            const float *row = v + t * stride + d;
+            for (int j = 0; j < 8; j++) a[j] += pt * load8f(row + 8 * j);
+        }
+        for (int j = 0; j < 8; j++) store8f(acc + d + 8 * j, a[j]);
+    }
+    for (; d + 8 <= head_dim; d += 8) {
+        v8f a = load8f(acc + d) * alpha;
+        for (int t = 0; t < n; t++) a += p[t] * load8f(v + t * stride + d);
+        store8f(acc + d, a);
+    }
+    for (; d < head_dim; d++) {
+        float a = acc[d] * alpha;
+        for (int t = 0; t < n; t++) a += p[t] * v[t * stride + d];
+        acc[d] = a;
+    }
+}
+
+/* One tile of n rows of one kv head for its `group` query heads: online softmax update. */
+static void attend_tile(const float *restrict qs, const float *k, const float *v, int64_t stride,
+                        int n, int group, int head_dim, float *restrict scores, float *restrict m,
+                        float *restrict l, float *restrict acc) {
+    for (int h = 0; h < group; h++) {
+        qk_tile(qs + (int64_t)h * head_dim, k, stride, n, head_dim, scores);
+        float m_new = m[h];
+        for (int t = 0; t < n; t++) m_new = scores[t] > m_new ? scores[t] : m_new;
+        const float alpha = expf(m[h] - m_new); /* 0 on the first tile (m = -inf) */
+        v8f sum = splat(0.0f);
+        for (int t = 0; t < n; t += 8) {
+            const v8f e = exp8_nonpos(load8f(scores + t) - m_new);
+            store8f(scores + t, e);
+            sum += e;
+        }
+        l[h] = l[h] * alpha + hsum8(sum);
+        m[h] = m_new;
+        pv_tile(scores, v, stride, n, head_dim, alpha, acc + (int64_t)h * head_dim);
+    }
+}
+
+/* bf16 rows [n, head_dim] at stride -> contiguous fp32 (bf16 is the top half of an fp32). */
+static void widen_rows(const uint16_t *src, int64_t stride, int n, int head_dim, float *dst) {
+    const int d8 = head_dim & ~7;
+    for (int t = 0; t < n; t++) {
+        const uint16_t *row = src + t * stride;
+        float *out = dst + (int64_t)t * head_dim;
+        for (int d = 0; d < d8; d += 8) {
+#if defined(__AVX2__) /* gcc splits __builtin_convertvector into 128-bit halves */
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + d)));
+            _mm256_storeu_si256((__m256i *)(out + d), _mm256_slli_epi32(h, 16));
+#else
+            v8h h;
+            memcpy(&h, row + d, sizeof h);
+            const v8f f = (v8f)(__builtin_convertvector(h, v8u) << 16);
+            memcpy(out + d, &f, sizeof f);
+#endif
+        }
+        for (int d = d8; d < head_dim; d++) out[d] = bf16_to_f32(row[d]);
+    }
+}
+
+/* Ask for one block's rows of one kv head ahead of use: they sit in a block of a shuffled pool
+ * that the hardware prefetchers cannot guess. */
+static inline void prefetch_rows(const char *k, const char *v, int64_t stride_bytes, int n,
+                                 int row_bytes) {
+    for (int t = 0; t < n; t++)
+        for (int off = 0; off < row_bytes; off += 64) {
+            __builtin_prefetch(k + t * stride_bytes + off);
+            __builtin_prefetch(v + t * stride_bytes + off);
+        }
+}
+
+typedef struct {
+    const void *k_cache, *v_cache;
+    int64_t num_blocks, max_blocks;
+    int num_kv_heads, head_dim, block_size, group, bf16;
+} Pool;
+
+typedef struct { /* per-thread scratch */
+    float *qs, *acc, *m, *l, *scores, *kbuf, *vbuf;
+} Scratch;
+
+/* Element offset of row `offset` of block `block`, kv head `kv_head`. */
+static inline int64_t row_index(const Pool *p, int64_t block, int offset, int kv_head) {
+    return ((block * p->block_size + offset) * p->num_kv_heads + kv_head) * p->head_dim;
+}
+
+/* One (sequence, kv head): q rows of its `group` query heads (stride q_head_stride elements)
+ * -> out rows (contiguous). Returns 1 if the context length or a block id was out of range (the
+ * output is then zeroed), else 0. */
+static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, const int32_t *blocks,
+                       int32_t context_len, int kv_head, float scale, void *out, Scratch *w) {
+    const int group = p->group, head_dim = p->head_dim, block_size = p->block_size;
+    const int elem = p->bf16 ? 2 : 4;
+    const int64_t stride = (int64_t)p->num_kv_heads * head_dim;
+    for (int h = 0; h < group; h++) {
+        for (int d = 0; d < head_dim; d++) {
+            const int64_t i = h * q_head_stride + d;
+            const float x = p->bf16 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i];
+            w->qs[h * head_dim + d] = x * scale;
+            w->acc[h * head_dim + d] = 0.0f;
+        }
+        w->m[h] = -INFINITY;
+        w->l[h] = 0.0f;
+    }
+    const int64_t used_blocks = ((int64_t)context_len + block_size - 1) / block_size;
+    int bad = context_len < 0 || used_blocks > p->max_blocks;
+    for (int64_t b = 0; !bad && b < used_blocks; b++) {
+        const int64_t block = blocks[b];
+        if (block < 0 || block >= p->num_blocks) {
+            bad = 1;
+            break;
+        }
+        const int64_t left = context_len - b * block_size;
+        const int in_block = left < block_size ? (int)left : block_size;
+        if (b + 1 < used_blocks && blocks[b + 1] >= 0 && blocks[b + 1] < p->num_blocks) {
+            const int64_t next = row_index(p, blocks[b + 1], 0, kv_head) * elem;
+            const int64_t next_left = left - block_size;
+            prefetch_rows((const char *)p->k_cache + next, (const char *)p->v_cache + next,
+                          stride * elem, next_left < block_size ? (int)next_left : block_size,
+                          head_dim * elem);
+        }
+        for (int t0 = 0; t0 < in_block; t0 += TILE) {
+            const int n = in_block - t0 < TILE ? in_block - t0 : TILE;
+            const int64_t row = row_index(p, block, t0, kv_head);
+            if (p->bf16) {
+                widen_rows((const uint16_t *)p->k_cache + row, stride, n, head_dim, w->kbuf);
+                widen_rows((const uint16_t *)p->v_cache + row, stride, n, head_dim, w->vbuf);
+                attend_tile(w->qs, w->kbuf, w->vbuf, head_dim, n, group, head_dim, w->scores,
+                            w->m, w->l, w->acc);
+            } else {
+                attend_tile(w->qs, (const float *)p->k_cache + row,
+                            (const float *)p->v_cache + row, stride, n, group, head_dim,
+                            w->scores, w->m, w->l, w->acc);
+            }
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        const float inv = (!bad && w->l[h] > 0.0f) ? 1.0f / w->l[h] : 0.0f;
+        for (int d = 0; d < head_dim; d++) {
+            const int64_t i = (int64_t)h * head_dim + d;
+            const float x = w->acc[i] * inv;
+            if (p->bf16)
+                ((uint16_t *)out)[i] = f32_to_bf16(x);
+            else
+                ((float *)out)[i] = x;
+        }
+    }
+    return bad;
+}
+
+/*
+ * q [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1); out contiguous
+ * [num_seqs, num_heads, head_dim]; q, pools and out share one dtype (is_bf16). Block tables are
+ * int32 with row stride bt_stride. Returns the number of (sequence, kv head) tasks whose block
+ * table entry or context length was out of range (their output is zeroed), 0 when all is well.
+ */
+int pdserve_paged_decode_attention(
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    const int32_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+    int64_t max_blocks, int64_t bt_stride, int64_t q_seq_stride, int64_t q_head_stride,
+    float scale, int32_t is_bf16, int32_t num_threads) {
+    const Pool pool = {k_cache,           v_cache,        num_blocks,
+                       max_blocks,        (int)num_kv_heads, (int)head_dim,
+                       (int)block_size,   (int)(num_heads / num_kv_heads), is_bf16 != 0};
+    const int group = pool.group;
+    const int64_t num_tasks = num_seqs * num_kv_heads;
+    const int elem = is_bf16 ? 2 : 4;
+    int64_t num_bad = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
+    {
+        float qs[group * head_dim], acc[group * head_dim], m[group], l[group], scores[TILE];
+        float kbuf[is_bf16 ? TILE * head_dim : 1], vbuf[is_bf16 ? TILE * head_dim : 1];
+        Scratch w = {qs, acc, m, l, scores, kbuf, vbuf};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            const int64_t s = task / num_kv_heads;
+            const int g = (int)(task % num_kv_heads);
+            const char *q_task =
+                (const char *)q + (s * q_seq_stride + (int64_t)g * group * q_head_stride) * elem;
+            char *out_task = (char *)out + (s * num_heads + (int64_t)g * group) * head_dim * elem;
+            num_bad += decode_task(&pool, q_task, q_head_stride, block_tables + s * bt_stride,
+                                   context_lens[s], g, scale, out_task, &w);
+        }
+    }
+    return (int)num_bad;
+}

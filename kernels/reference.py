@@ -1,0 +1,129 @@
+"""The executable spec of every kernel, in plain PyTorch: clear rather than fast, any device.
+
+KV cache layout (per layer, K and V alike)::
+
+    cache: [num_blocks, block_size, num_kv_heads, head_dim]   contiguous, fp32 or bf16
+
+    position p of a sequence -> block block_table[p // block_size], offset p % block_size
+    slot = block_id * block_size + offset         (cache.view(-1, num_kv_heads, head_dim)[slot])
+
+GQA: query head h reads kv head h // (num_heads // num_kv_heads). Softmax runs in fp32 and the
+output comes back in q.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place.
+
+    ``slot_mapping`` ``[num_tokens]`` int64 holds one valid slot per token.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def context_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's first ``context_len`` positions, ``[context_len, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:context_len]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of queries at ``q_positions`` over keys at positions 0..len(k)-1.
+
+    q ``[q_len, num_heads, head_dim]``, k/v ``[context_len, num_kv_heads, head_dim]``;
+    returns ``[q_len, num_heads, head_dim]`` in fp32.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # [context_len, num_heads, head_dim]
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    k_positions = torch.arange(k.shape[0], device=q.device)
+    visible = k_positions[None, :] <= q_positions[:, None]  # [q_len, context_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its whole paged context (its own K/V already written).
+
+    q ``[num_seqs, num_heads, head_dim]``; block_tables ``[num_seqs, max_blocks_per_seq]`` int32
+    (entries past a sequence's blocks are never read); context_lens ``[num_seqs]`` int32.
+    Returns ``[num_seqs, num_heads, head_dim]`` in q.dtype.
+    """
+    out = torch.empty_like(q)
+    for s, context_len in enumerate(context_lens.tolist()):
+        k = context_kv(k_cache, block_tables[s], context_len)
+        v = context_kv(v_cache, block_tables[s], context_len)
+        position = torch.tensor([context_len - 1], device=q.device)
+        out[s] = _attend(q[s : s + 1], k, v, position, scale)[0].to(q.dtype)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for several sequences' new tokens, packed, over their paged contexts.
+
+    q ``[num_tokens, num_heads, head_dim]``; query_start_loc ``[num_seqs + 1]`` int32 (cumulative);
+    context_lens ``[num_seqs]`` = cached prefix + new tokens (the new tokens' K/V already written).
+    New token i of a sequence with q_len new tokens sits at position context_len - q_len + i::
+
+        positions  0 ........ prefix-1 | prefix ........ context_len-1
+                   cached (earlier chunk | new tokens = this sequence's rows of q
+                   or a reused prefix)   |
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, context_len in enumerate(context_lens.tolist()):
+        start, end = starts[s], starts[s + 1]
+        if end == start:
+            continue
+        k = context_kv(k_cache, block_tables[s], context_len)
+        v = context_kv(v_cache, block_tables[s], context_len)
+        positions = torch.arange(context_len - (end - start), context_len, device=q.device)
+        out[start:end] = _attend(q[start:end], k, v, positions, scale).to(q.dtype)
+    return out
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks of one pool into one contiguous ``[len(block_ids), *cache.shape[1:]]`` buffer."""
+    return cache.index_select(0, block_ids.long())
+
+
+def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor) -> None:
+    """Inverse of ``gather_blocks``: write ``buf`` into blocks ``block_ids`` of ``cache``, in place."""
+    cache.index_copy_(0, block_ids.long(), buf.to(cache.dtype))

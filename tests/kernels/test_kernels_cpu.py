@@ -1,0 +1,115 @@
+"""The CPU backend's own contract: building and caching the C kernel, fallbacks, input checks."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import shutil
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.cpu import build, ops
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def decode_args(paged_case, dtype=torch.float32):
+    case = paged_case([5, 40], 3, 64, 16, dtype)
+    q = torch.randn(2, 9, 64).to(dtype)
+    return case, (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+
+
+@needs_compiler
+def test_library_is_built_once_per_key_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    source = ops._SOURCE
+
+    build.load_library(source)
+
+    built = list(tmp_path.glob("kernels/*/paged_attention.so"))
+    assert len(built) == 1
+    assert not list(tmp_path.glob("kernels/*/.*"))  # no temporary file left behind
+    mtime = built[0].stat().st_mtime_ns
+    build.load_library(source)
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+def test_missing_compiler_is_a_build_error(monkeypatch):
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.BuildError, match="no C compiler"):
+        build.load_library(ops._SOURCE)
+
+
+def test_build_failure_falls_back_to_reference_with_one_warning(paged_case, monkeypatch, caplog):
+    def fail(source):
+        raise build.BuildError("cc failed: error: simulated")
+
+    monkeypatch.setattr(ops, "load_library", fail)
+    ops._library.cache_clear()
+    try:
+        _, args = decode_args(paged_case)
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu.ops"):
+            first = ops.paged_decode_attention(*args)
+            ops.paged_decode_attention(*args)
+        assert torch.equal(first, reference.paged_decode_attention(*args))
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "simulated" in warnings[0].getMessage()
+    finally:
+        ops._library.cache_clear()
+
+
+@needs_compiler
+def test_out_of_range_block_id_raises(paged_case):
+    case, args = decode_args(paged_case)
+    case.block_tables[1, 1] = case.k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="block ids outside"):
+        ops.paged_decode_attention(*args)
+
+
+@needs_compiler
+def test_context_longer_than_block_table_raises(paged_case):
+    case, args = decode_args(paged_case)
+    case.context_lens[0] = case.block_tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match="beyond their block table"):
+        ops.paged_decode_attention(*args)
+
+
+def test_unsupported_dtype_uses_reference(paged_case):
+    _, args = decode_args(paged_case, torch.float16)
+    out = ops.paged_decode_attention(*args)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, reference.paged_decode_attention(*args))
+
+
+def test_get_backend_by_device(monkeypatch):
+    monkeypatch.delenv("PDSERVE_KERNEL_BACKEND", raising=False)
+    assert kernels.get_backend("cpu") is kernels.cpu
+    assert kernels.get_backend(torch.device("meta")) is reference
+
+
+def test_get_backend_forced(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "reference")
+    assert kernels.get_backend("cpu") is reference
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "fast")
+    with pytest.raises(ValueError, match="not a kernel backend"):
+        kernels.get_backend("cpu")
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_backends_share_the_reference_signatures(name):
+    if name == "triton":
+        pytest.importorskip("triton")
+    module = importlib.import_module(f"kernels.{name}")
+    for fn in (
+        "write_kv",
+        "paged_decode_attention",
+        "prefill_attention",
+        "gather_blocks",
+        "scatter_blocks",
+    ):
+        expected = list(inspect.signature(getattr(reference, fn)).parameters)
+        assert list(inspect.signature(getattr(module, fn)).parameters) == expected, fn
