@@ -11,7 +11,7 @@ from pdserve.config import EngineConfig
 from pdserve.kv_cache.allocator import BlockAllocator
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
-from pdserve.runner import ModelRunner
+from pdserve.runner import LayerHook, ModelRunner
 from pdserve.sampler import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
@@ -71,15 +71,30 @@ class _TextState:
         return delta
 
 
+class AdmissionError(RuntimeError):
+    """The worker cannot take the request now (KV blocks or seats); another worker may."""
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Serves offline (``add_request`` + ``step``) and as either half of a disaggregated pair:
+
+    - prefill worker: ``add_request`` with max_tokens=1 and ``step(on_layer=...)`` to ship each
+      layer's KV as soon as the forward has written it;
+    - decode worker: ``reserve_request`` (blocks for the whole request), then, once the prompt's
+      KV has been written into those blocks, ``activate_request`` with the first token.
+
+    ``detokenize=False`` leaves text to the caller (the gateway detokenizes and applies stop strings).
+    """
+
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         folder = resolve_model(config.model)
         self.model_config = ModelConfig.from_file(folder / "config.json")
         # A folder without tokenizer.json still serves token-id prompts (text output is then empty).
-        self.tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").exists() else None
+        has_tokenizer = detokenize and (folder / "tokenizer.json").exists()
+        self.tokenizer = Tokenizer.from_folder(folder) if has_tokenizer else None
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(tok_eos)))
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
@@ -129,6 +144,32 @@ class LLMEngine:
         self._texts[request_id] = _TextState(self.tokenizer, ids, params.stop)
         return request_id
 
+    def reserve_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list[int]:
+        """Decode side: reserve KV for the whole request; returns the blocks the prompt's KV goes to.
+
+        Raises AdmissionError at once when the blocks or a batch seat are not free.
+        """
+        self.validate(prompt_token_ids, params)
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if not self.scheduler.reserve(seq):
+            raise AdmissionError(
+                f"decode worker full: {self.allocator.num_free_blocks} KV blocks free, "
+                f"{self.scheduler.num_seats_taken}/{self.scheduler.config.max_num_seqs} seats taken"
+            )
+        self._seqs[request_id] = seq
+        self._texts[request_id] = _TextState(self.tokenizer, seq.prompt_token_ids, params.stop)
+        num_prompt_blocks = -(-seq.num_prompt_tokens // self.scheduler.block_size)
+        return seq.block_table[:num_prompt_blocks]
+
+    def activate_request(self, request_id: str, first_token: int,
+                         logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """Decode side: the prompt's KV is in the reserved blocks; continue from ``first_token``."""
+        seq = self._seqs[request_id]
+        self.scheduler.activate(seq)
+        return self._append(seq, first_token, logprobs)
+
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         self._texts.pop(request_id, None)
@@ -138,11 +179,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
+        """One forward of the next batch. ``on_layer(batch, layer, k_cache, v_cache)`` runs after
+        each layer has written its KV (the prefill worker ships that layer while the next computes)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        seqs, tokens, logprobs = self.runner.run(batch)
+        seqs, tokens, logprobs = self.runner.run(batch, on_layer)
         self.scheduler.postprocess(batch)
         return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)]
 

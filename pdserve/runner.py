@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from pdserve.model.weights import load_state_dict
 from pdserve.sampler import TokenLogprobs, sample
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sequence import Sequence
+
+# on_layer(batch, layer index, k_cache, v_cache): called after each layer has written its KV.
+LayerHook = Callable[[ScheduledBatch, int, torch.Tensor, torch.Tensor], None]
 
 
 def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -101,15 +105,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward_logits(self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta, after_layer)
         return self.model.compute_logits(hidden[inputs.sample_indices]).cpu()
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+    def run(self, batch: ScheduledBatch, on_layer: LayerHook | None = None,
+            ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Forward the batch and sample; returns the sequences that got a token, their tokens, logprobs."""
         inputs = self.prepare(batch)
-        logits = self.forward_logits(inputs)
+        after_layer = None
+        if on_layer is not None:
+            def after_layer(i: int) -> None:
+                on_layer(batch, i, *self.pool.kv_caches[i])
+        logits = self.forward_logits(inputs, after_layer)
         if not inputs.sampling_seqs:
             return [], [], []
         tokens, logprobs = sample(logits, [s.sampler_row() for s in inputs.sampling_seqs])

@@ -42,6 +42,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.awaiting_kv: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         needed = blocks_needed(seq.max_kv_tokens, self.block_size)
@@ -57,6 +58,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_seats_taken(self) -> int:
+        return len(self.running) + len(self.awaiting_kv)
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode worker admission: blocks for the whole request, or False at once (nothing queued).
+
+        The sequence then waits, outside the batch, for its prompt KV to arrive (``activate``).
+        """
+        if self.num_seats_taken >= self.config.max_num_seqs or self.waiting:
+            return False
+        needed = blocks_needed(seq.max_kv_tokens, self.block_size)
+        if not self.allocator.can_allocate(needed):
+            return False
+        seq.block_table = self.allocator.allocate(needed)
+        seq.status = SequenceStatus.AWAITING_KV
+        self.awaiting_kv.append(seq)
+        return True
+
+    def activate(self, seq: Sequence) -> None:
+        """The prompt's KV has landed: the sequence joins the running batch, decoding."""
+        self.awaiting_kv.remove(seq)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
@@ -69,7 +96,7 @@ class Scheduler:
                 n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
                 batch.prefills.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seats_taken < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self._allocate(seq):
                 break  # FCFS: nobody overtakes the head of the queue
@@ -97,6 +124,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.AWAITING_KV:
+            self.awaiting_kv.remove(seq)
         else:
             self.running.remove(seq)
         self.allocator.free(seq.block_table)

@@ -13,6 +13,7 @@ from pdserve.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    AWAITING_KV = "awaiting_kv"  # decode worker: blocks reserved, prompt KV arriving from a prefill worker
     RUNNING = "running"
     FINISHED = "finished"
 
