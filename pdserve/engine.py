@@ -16,7 +16,8 @@ from pdserve.sampler import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
 from pdserve.sequence import Sequence
-from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.text import TextStream
+from pdserve.tokenizer import Tokenizer
 
 
 @dataclass
@@ -31,44 +32,6 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-
-
-class _TextState:
-    """Detokenizes one request and applies its stop strings (the text ends before the stop string).
-
-    Text that might still turn out to be the start of a stop string is held back until it cannot be.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-
-    def add(self, token_id: int) -> bool:
-        """Append a token; True if a stop string completed."""
-        if self.detok is None:
-            return False
-        self.text += self.detok.step(token_id)
-        for s in self.stop:
-            # Only the newly added tail (plus overlap) can contain a new match.
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                return True
-        return False
-
-    def flush(self) -> None:
-        """At the end: text held back for an incomplete character."""
-        if self.detok is not None:
-            self.text += self.detok.flush()
-
-    def take(self, finished: bool) -> str:
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
-        delta = self.text[self.emitted : end]
-        self.emitted = end
-        return delta
 
 
 class AdmissionError(RuntimeError):
@@ -106,7 +69,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self._seqs: dict[str, Sequence] = {}
-        self._texts: dict[str, _TextState] = {}
+        self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -141,7 +104,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        self._texts[request_id] = _TextState(self.tokenizer, ids, params.stop)
+        self._texts[request_id] = TextStream(self.tokenizer, ids, params.stop)
         return request_id
 
     def reserve_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list[int]:
@@ -159,7 +122,7 @@ class LLMEngine:
                 f"{self.scheduler.num_seats_taken}/{self.scheduler.config.max_num_seqs} seats taken"
             )
         self._seqs[request_id] = seq
-        self._texts[request_id] = _TextState(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self._texts[request_id] = TextStream(self.tokenizer, seq.prompt_token_ids, params.stop)
         num_prompt_blocks = -(-seq.num_prompt_tokens // self.scheduler.block_size)
         return seq.block_table[:num_prompt_blocks]
 

@@ -7,6 +7,7 @@ q/k/v and gate/up projections are fused into one matrix each (one GEMM instead o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -126,10 +127,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``after_layer(i)`` runs once layer i has written its KV (to ship it while i+1 computes)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(positions, x, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
