@@ -6,10 +6,11 @@ model) does not pay for the engine's imports.
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "CompletionOutput", "SamplingParams"]
+__all__ = ["LLM", "Client", "CompletionOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from pdserve.client import Client
     from pdserve.llm import LLM, CompletionOutput
     from pdserve.sampling_params import SamplingParams
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from pdserve import llm
 
         return getattr(llm, name)
+    if name == "Client":
+        from pdserve.client import Client
+
+        return Client
     if name == "SamplingParams":
         from pdserve.sampling_params import SamplingParams
 

@@ -40,16 +40,42 @@ def _llm_from(args):
                                          max_num_batched_tokens=args.max_num_batched_tokens))
 
 
-def cmd_generate(args) -> int:
+def _sampling(args):
     from pdserve.sampling_params import SamplingParams
 
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+
+
+def _generate_remote(args) -> int:
+    import grpc
+
+    from pdserve.client import Client
+
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    reason = None
+    try:
+        with Client(args.url) as client:
+            for delta in client.generate_stream(prompt, _sampling(args)):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                reason = delta.finish_reason or reason
+    except grpc.RpcError as e:
+        print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    print(f"[finish_reason={reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.url:
+        return _generate_remote(args)
     llm = _llm_from(args)
     chat = not args.raw and llm.tokenizer is not None and llm.tokenizer.has_chat_template
     prompt = llm.chat_prompt(args.prompt) if chat else args.prompt
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     reason = None
-    for _, out in llm.generate_stream([prompt], params):
+    for _, out in llm.generate_stream([prompt], _sampling(args)):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
         reason = out.finish_reason
@@ -79,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     g.add_argument("prompt")
     _engine_args(g)
+    g.add_argument("--url", default=None, help="a running gateway (host:port) instead of a local engine")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -95,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     f.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     f.set_defaults(func=cmd_model_fetch)
+
+    from pdserve import serve_cli
+
+    serve_cli.add_commands(sub, _engine_args)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,133 @@
+"""``pdserve gateway | prefill | decode | colocated | up``: the serving processes and a local cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+                        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                  max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def cmd_worker(args) -> int:
+    from services.main import WorkerOptions, run, serve_worker
+
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    return run(serve_worker(WorkerOptions(role=args.command, engine=engine_config(args), host=args.host,
+                                          port=args.port, gateway=args.gateway, transport=args.transport)))
+
+
+def cmd_gateway(args) -> int:
+    from services.main import GatewayOptions, run, serve_gateway
+
+    return run(serve_gateway(GatewayOptions(model=args.model, host=args.host, port=args.port, policy=args.policy,
+                                            lease_s=args.lease, kv_timeout_s=args.kv_timeout)))
+
+
+def start_process(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0
+                  ) -> tuple[subprocess.Popen, str]:
+    """Start ``pdserve <argv>`` and wait for its READY line; returns the process and its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.startswith("READY "):
+            return proc, line.split()[2]
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"pdserve {' '.join(argv)} exited (code {proc.wait()}) before it was ready")
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _cpu_sets(n: int) -> list[str]:
+    """Spread n workers over the cores: worker i gets core i mod num_cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(cores[i % len(cores)]) for i in range(n)]
+
+
+def cmd_up(args) -> int:
+    """Gateway + prefill + decode workers on loopback; Ctrl-C stops them all."""
+    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size)]
+    if args.kv_cache_bytes:
+        common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    procs: list[subprocess.Popen] = []
+    try:
+        gw, address = start_process(["gateway", "--model", args.model, "--port", str(args.port)])
+        procs.append(gw)
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
+        cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
+        starting = []
+        for role, cpu in zip(roles, cpus, strict=True):
+            argv = [role, *common, "--gateway", address, "--threads", str(args.threads_per_worker)]
+            if cpu:
+                argv += ["--cpus", cpu]
+            starting.append(argv)
+        for argv in starting:  # each is registered with the gateway once READY
+            procs.append(start_process(argv)[0])
+        print(f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
+              f"{args.colocated} colocated). Try: pdserve generate --url {address} \"Hello\"", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("pdserve up: a process exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_processes(procs)
+
+
+def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    from pdserve.model.fetch import DEFAULT_MODEL
+
+    gw = sub.add_parser("gateway", help="serve the public gRPC API; workers register here")
+    gw.add_argument("--model", default=DEFAULT_MODEL)
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=50051)
+    gw.add_argument("--policy", default="least_loaded", help="round_robin or least_loaded")
+    gw.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays listed without heartbeat")
+    gw.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    gw.set_defaults(func=cmd_gateway)
+    for role in ROLES:
+        w = sub.add_parser(role, help=f"serve a {role} worker")
+        engine_args(w)
+        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--port", type=int, default=0, help="0 picks a free port")
+        w.add_argument("--gateway", default=None, help="register with this gateway (host:port)")
+        w.add_argument("--transport", default="ucx", help="KV transport: ucx (default) or loopback")
+        w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
+        w.set_defaults(func=cmd_worker)
+    up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
+    engine_args(up)
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--colocated", type=int, default=0)
+    up.add_argument("--threads-per-worker", type=int, default=1)
+    up.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
+    up.set_defaults(func=cmd_up)

@@ -1,0 +1,174 @@
+"""The KV transport interface: a prefill worker pushes each layer's blocks to a decode worker.
+
+    decode (receiver)                                   prefill (sender)
+    addr = t.address()          --- gRPC: addr --->     peer = t.connect(addr)
+    rt = t.expect(tid, n, on_layer, timeout)
+                                --- gRPC: tid, n -->    tx = t.start_send(peer, tid, n, timeout)
+                                                        for layer: compute; tx.send_layer(layer, k, v)
+    on_layer(header, k, v) per layer  <--- UCX ---      (returns at once; the send runs behind)
+    stats = rt.wait()  (or await rt)                    stats = tx.wait()
+
+Ownership: ``send_layer`` copies K and V into a message buffer before it returns, so the caller may
+reuse or free its gathered tensors at once. ``on_layer`` gets views into a transport-owned buffer
+that are valid only during the call: scatter them into the reserved blocks before returning.
+The receiver's blocks stay reserved until ``rt.wait()`` returns or raises; a transfer that has not
+completed by its deadline fails with ``TransferTimeoutError`` and the caller frees its blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pdserve.transfer.errors import (
+    HeaderMismatchError,
+    PeerUnreachableError,
+    TransferError,
+    TransferTimeoutError,
+)
+from pdserve.transfer.header import KVLayout, LayerHeader, check_transfer_id
+from pdserve.transfer.transfers import (
+    LayerCallback,
+    PeerHandle,
+    RecvTransfer,
+    SendTransfer,
+    TransferStats,
+)
+
+__all__ = [
+    "HeaderMismatchError",
+    "KVTransport",
+    "LayerCallback",
+    "PeerHandle",
+    "PeerUnreachableError",
+    "RecvTransfer",
+    "SendTransfer",
+    "TransferError",
+    "TransferStats",
+    "TransferTimeoutError",
+    "check_layer",
+    "scatter_into",
+]
+
+
+def check_layer(layout: KVLayout, header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Sender-side check that ``header``, ``k`` and ``v`` describe one layer of ``layout``."""
+    header.check(layout)
+    check_transfer_id(header.transfer_id)
+    shape = (header.num_blocks, *layout.block_shape)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != shape or t.dtype != layout.dtype:
+            raise ValueError(
+                f"{name} is {t.dtype} {tuple(t.shape)}; header and layout say {layout.dtype} {shape}"
+            )
+    if header.num_blocks < 1:
+        raise ValueError("a message carries at least one block")
+
+
+class KVTransport(ABC):
+    """Moves KV blocks of one layout between workers. One instance per worker process serves both
+    roles; every method is safe to call from any thread (not from the transport's own callbacks)."""
+
+    layout: KVLayout
+
+    # -- receiver (decode worker) -------------------------------------------------------------
+
+    @abstractmethod
+    def address(self) -> bytes:
+        """The blob senders pass to ``connect``; published once at start-up (e.g. at registration).
+        It carries the protocol version and layout hash, so mismatched peers fail at ``connect``."""
+
+    @abstractmethod
+    def expect(
+        self, transfer_id: int, num_blocks: int, on_layer: LayerCallback, timeout: float
+    ) -> RecvTransfer:
+        """Called by the decode worker at admission, right after reserving ``num_blocks`` blocks.
+        Starts receiving every layer of ``transfer_id`` (messages that arrived earlier are kept
+        for it) and calls ``on_layer(header, k, v)`` on the transport thread as each lands.
+        ``transfer_id`` is chosen by the receiver, unique among its transfers, < 2**48.
+        The returned transfer fails with TransferTimeoutError if incomplete after ``timeout`` s."""
+
+    # -- sender (prefill worker) --------------------------------------------------------------
+
+    @abstractmethod
+    def connect(self, peer_address: bytes) -> PeerHandle:
+        """Called by the prefill worker once per decode worker (the handle is reused for all its
+        transfers). Raises HeaderMismatchError if the peer serves another KV layout."""
+
+    @abstractmethod
+    def send_layer(
+        self,
+        peer: PeerHandle,
+        header: LayerHeader,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        timeout: float,
+    ) -> concurrent.futures.Future[None]:
+        """Called by the engine thread after computing a layer, with its gathered blocks
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``. Frames them into one message (a
+        copy, unless they come from ``layer_buffers``) and returns at once, before delivery; the
+        caller may reuse its tensors then. The future completes when the receiver has taken the
+        message, or fails with TransferTimeoutError after ``timeout`` s or PeerUnreachableError."""
+
+    @abstractmethod
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Drop the connection (P stops sending to a D that is gone); pending sends fail."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail every pending transfer and send, release the transport's threads. Idempotent."""
+
+    def layer_buffers(
+        self, num_blocks: int, device: str | torch.device = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty K and V tensors ``[num_blocks, *block_shape]`` to gather one layer into (e.g.
+        ``torch.index_select(pool, 0, ids, out=k)``). Passed to ``send_layer``, they are sent
+        without the copy; they then belong to the transport. Implementations may override."""
+        shape = (num_blocks, *self.layout.block_shape)
+        k = torch.empty(shape, dtype=self.layout.dtype, device=device)
+        return k, torch.empty_like(k)
+
+    # -- conveniences -------------------------------------------------------------------------
+
+    def start_send(
+        self,
+        peer: PeerHandle,
+        transfer_id: int,
+        num_blocks: int,
+        timeout: float,
+        traceparent: str = "",
+        device: str | torch.device = "cpu",
+    ) -> SendTransfer:
+        """A sender's handle on one transfer: headers, deadline and stats for all its layers."""
+        return SendTransfer(self, peer, transfer_id, num_blocks, timeout, traceparent, device)
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scatter_into(
+    k_pools: Sequence[torch.Tensor],
+    v_pools: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+) -> LayerCallback:
+    """An ``on_layer`` that writes each message into the receiver's own ``block_ids`` of the
+    per-layer pools. ``scatter(pool, ids, buf)`` defaults to ``pool.index_copy_(0, ids, buf)``."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=k_pools[0].device)
+
+    def on_layer(header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
+        sel = ids[header.block_offset : header.block_offset + header.num_blocks]
+        if scatter is None:
+            k_pools[header.layer].index_copy_(0, sel, k)
+            v_pools[header.layer].index_copy_(0, sel, v)
+        else:
+            scatter(k_pools[header.layer], sel, k)
+            scatter(v_pools[header.layer], sel, v)
+
+    return on_layer

@@ -1,0 +1,321 @@
+"""One transfer as each side sees it: ``RecvTransfer`` (decode) and ``SendTransfer`` (prefill).
+
+Each message of a transfer is checked, accounted and handed on here, the same way for every
+transport; the transports only move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from pdserve.transfer.errors import (
+    HeaderMismatchError,
+    TransferError,
+    TransferTimeoutError,
+)
+from pdserve.transfer.header import (
+    KVLayout,
+    LayerHeader,
+    check_transfer_id,
+    message_views,
+    read_header,
+)
+
+if TYPE_CHECKING:
+    from pdserve.transfer.base import KVTransport
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    """Where a transport runs transfer state: an asyncio loop, or the UCX worker thread.
+    ``call_at`` takes time.monotonic() times (asyncio's ``loop.time()`` is that clock)."""
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any) -> Cancellable: ...
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Any: ...
+
+
+LayerCallback = Callable[[LayerHeader, torch.Tensor, torch.Tensor], None]
+WAIT_GRACE_S = 1.0  # wait() gives up this long after the deadline even if the transport is stuck
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    transfer_id: int
+    num_layers: int
+    num_messages: int
+    nbytes: int  # payload and headers
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return (
+            f"transfer {self.transfer_id}: {self.nbytes} bytes in {self.seconds * 1e3:.2f} ms "
+            f"({self.gbps:.2f} GB/s, {self.num_messages} messages)"
+        )
+
+
+@dataclass(eq=False)
+class PeerHandle:
+    """A sender's connection to one receiver, from ``connect``; implementations subclass it."""
+
+    address: bytes
+    alive: bool = True
+
+
+class RecvTransfer:
+    """Receiver-side handle of one transfer, returned by ``KVTransport.expect``.
+
+    State changes only on the transport's thread; ``wait``, ``done``, ``cancel`` and ``await``
+    are safe from any thread or event loop.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        transfer_id: int,
+        num_blocks: int,
+        on_layer: LayerCallback,
+        timeout: float,
+        scheduler: Scheduler,
+    ) -> None:
+        check_transfer_id(transfer_id)
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.transfer_id = transfer_id
+        self.num_blocks = num_blocks
+        self.num_layers = layout.num_layers
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.future: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
+        self.token_id = -1
+        self._on_layer = on_layer
+        self._scheduler = scheduler
+        self._blocks_landed = [0] * self.num_layers
+        self._layers_complete = 0
+        self._num_messages = 0
+        self._nbytes = 0
+        self._started = time.perf_counter()
+        self._finish_callbacks: list[Callable[[RecvTransfer], None]] = []
+        self._timer: Cancellable | None = None
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def wait(self) -> TransferStats:
+        """Block until every layer has landed; raise TransferError (or a subclass) otherwise.
+
+        Returns by the transfer's deadline at the latest."""
+        remaining = self.deadline - time.monotonic() + WAIT_GRACE_S
+        try:
+            return self.future.result(timeout=max(remaining, 0.0))
+        except concurrent.futures.TimeoutError:
+            raise self._timeout_error() from None
+
+    def __await__(self) -> Generator[Any, None, TransferStats]:
+        return asyncio.wrap_future(self.future).__await__()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    @property
+    def layers_received(self) -> int:
+        return self._layers_complete
+
+    def cancel(self, reason: str = "cancelled by the receiver") -> None:
+        """Give up on the transfer (e.g. the client went away); ``wait`` raises TransferError."""
+        err = TransferError(f"transfer {self.transfer_id}: {reason}")
+        self._scheduler.call_soon_threadsafe(self.fail, err)
+
+    # -- transport thread ---------------------------------------------------------------------
+
+    def start(self, on_finish: Callable[[RecvTransfer], None]) -> None:
+        """Arm the deadline; ``on_finish`` runs once, when the transfer completes or fails."""
+        self._finish_callbacks.append(on_finish)
+        self._timer = self._scheduler.call_at(self.deadline, self._on_deadline)
+
+    def layer_complete(self, layer: int) -> bool:
+        return self._blocks_landed[layer] >= self.num_blocks
+
+    def deliver(self, buf: torch.Tensor, expected_layer: int | None = None) -> LayerHeader | None:
+        """Check one received message in ``buf`` and hand its K and V to ``on_layer``.
+
+        Fails the transfer (and returns None) on any mismatch or callback error."""
+        if self.future.done():
+            return None
+        try:
+            header = read_header(buf)
+            header.check(self.layout)
+            self._check(header, expected_layer)
+            k, v = message_views(buf, header)
+        except HeaderMismatchError as exc:
+            self.fail(exc)
+            return None
+        try:
+            self._on_layer(header, k, v)
+        except Exception as exc:  # noqa: BLE001 - the transfer fails with the cause attached
+            err = TransferError(f"transfer {self.transfer_id}: on_layer failed: {exc!r}")
+            err.__cause__ = exc
+            self.fail(err)
+            return None
+        self._num_messages += 1
+        self._nbytes += self.layout.message_nbytes(header.num_blocks)
+        if header.token_id >= 0:
+            self.token_id = header.token_id
+        self._blocks_landed[header.layer] += header.num_blocks
+        if self._blocks_landed[header.layer] == self.num_blocks:
+            self._layers_complete += 1
+            if self._layers_complete == self.num_layers:
+                stats = TransferStats(
+                    self.transfer_id,
+                    self.num_layers,
+                    self._num_messages,
+                    self._nbytes,
+                    time.perf_counter() - self._started,
+                )
+                self._finish(stats, None)
+        return header
+
+    def _check(self, header: LayerHeader, expected_layer: int | None) -> None:
+        where = f"transfer {self.transfer_id} layer {header.layer}"
+        if header.transfer_id != self.transfer_id:
+            raise HeaderMismatchError(f"{where}: message belongs to transfer {header.transfer_id}")
+        if expected_layer is not None and header.layer != expected_layer:
+            raise HeaderMismatchError(f"{where}: arrived under the tag of layer {expected_layer}")
+        end = header.block_offset + header.num_blocks
+        if header.num_blocks < 1 or end > self.num_blocks:
+            raise HeaderMismatchError(
+                f"{where}: blocks [{header.block_offset}, {end}) outside the {self.num_blocks} "
+                "blocks reserved for this transfer"
+            )
+        if self._blocks_landed[header.layer] + header.num_blocks > self.num_blocks:
+            raise HeaderMismatchError(f"{where}: more blocks than reserved (duplicate message?)")
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self._finish(None, exc)
+
+    def _on_deadline(self) -> None:
+        self.fail(self._timeout_error())
+
+    def _timeout_error(self) -> TransferTimeoutError:
+        return TransferTimeoutError(
+            f"transfer {self.transfer_id}: {self._layers_complete}/{self.num_layers} layers arrived "
+            f"within its {self.timeout:g} s deadline; the sender may be gone. Free its blocks."
+        )
+
+    def _finish(self, stats: TransferStats | None, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if exc is None:
+            self.future.set_result(stats)  # type: ignore[arg-type]
+        else:
+            self.future.set_exception(exc)
+        for fn in self._finish_callbacks:
+            fn(self)
+
+
+class SendTransfer:
+    """Sender-side view of one transfer: builds headers, tracks sends, sums up stats.
+
+    Used from one thread (the engine's); created by ``KVTransport.start_send``."""
+
+    def __init__(
+        self,
+        transport: KVTransport,
+        peer: PeerHandle,
+        transfer_id: int,
+        num_blocks: int,
+        timeout: float,
+        traceparent: str = "",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        check_transfer_id(transfer_id)
+        self.device = torch.device(device)
+        self.transport = transport
+        self.peer = peer
+        self.transfer_id = transfer_id
+        self.num_blocks = num_blocks
+        self.deadline = time.monotonic() + timeout
+        self.traceparent = traceparent
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self._nbytes = 0
+        self._started: float | None = None
+        self._finished = 0.0
+        self._lock = threading.Lock()
+
+    def layer_buffers(self, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V tensors to gather a layer into, sent without a copy (see KVTransport)."""
+        return self.transport.layer_buffers(num_blocks or self.num_blocks, self.device)
+
+    def send_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        block_offset: int = 0,
+        token_id: int = -1,
+    ) -> concurrent.futures.Future[None]:
+        """Push one layer's gathered blocks; returns once they are copied out, before delivery."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeoutError(
+                f"transfer {self.transfer_id}: deadline passed before layer {layer}"
+            )
+        layout = self.transport.layout
+        header = LayerHeader.for_layer(
+            layout,
+            self.transfer_id,
+            layer,
+            k.shape[0],
+            block_offset=block_offset,
+            token_id=token_id,
+            traceparent=self.traceparent,
+        )
+        if self._started is None:
+            self._started = time.perf_counter()
+        fut = self.transport.send_layer(self.peer, header, k, v, timeout=remaining)
+        nbytes = layout.message_nbytes(header.num_blocks)
+
+        def done(f: concurrent.futures.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                with self._lock:
+                    self._nbytes += nbytes
+                    self._finished = max(self._finished, time.perf_counter())
+
+        fut.add_done_callback(done)
+        self._futures.append(fut)
+        return fut
+
+    def wait(self) -> TransferStats:
+        """Block until every send has been taken by the receiver; raise the first failure."""
+        for fut in self._futures:
+            remaining = self.deadline - time.monotonic() + WAIT_GRACE_S
+            try:
+                fut.result(timeout=max(remaining, 0.0))
+            except concurrent.futures.TimeoutError:
+                raise TransferTimeoutError(
+                    f"transfer {self.transfer_id}: sends not completed by the deadline"
+                ) from None
+        started = self._started if self._started is not None else time.perf_counter()
+        with self._lock:
+            seconds = max(self._finished - started, 0.0)
+            nbytes = self._nbytes
+        return TransferStats(
+            self.transfer_id, self.transport.layout.num_layers, len(self._futures), nbytes, seconds
+        )

@@ -1,0 +1,406 @@
+"""KV transport over UCX (ucxx): worker address + tagged messages; shared memory on one host.
+
+Why this path. The receiver publishes its UCX worker address; the sender creates an endpoint from
+it with peer error handling off and sends tagged messages. On one host UCX then moves a message by
+a rendezvous single-copy read (CMA). The listener/``create_endpoint(host, port)`` path needs peer
+error handling, which forces TCP (~1 GiB/s, MACHINE-NOTES). With error handling off UCX never
+reports a dead peer, so every receive and every send here has a deadline instead.
+
+Messages. One per layer (or per layer and prefill chunk): ``[256-byte header | K | V]`` (header.py)
+under tag ``(transfer_id << 16) | layer``, so concurrent transfers to one receiver never mix. The
+receiver posts receives for a window of ``recv_window`` layers per transfer, each into its own
+buffer, and calls ``on_layer`` with views into it; messages beyond the window, or for transfers
+not expected yet, wait in UCX's unexpected queue with their data still on the sender.
+
+Threading (ucx_runtime.py): one thread per transport owns the UCX worker and runs all transfer
+state: it posts requests, progresses UCX, runs completion callbacks (``on_layer`` too) and
+deadlines, and sleeps on UCX's epoll fd when idle. The public methods are thread-safe and never
+wait on the network, so the engine thread and a grpc.aio loop can both call them: they return
+``concurrent.futures.Future`` / ``RecvTransfer`` (``f.result()`` in a thread, ``await`` in asyncio).
+
+Failures, each measured here with two processes on loopback:
+  * sender killed between layers: the receiver's transfer fails with TransferTimeoutError at its
+    deadline; killed while a message is in flight: the read fails at once ("Input/output error")
+    and the transfer fails with PeerUnreachableError;
+  * receiver gone: the first send to it fails at once ("Shared memory error"); if the sender had
+    already talked to it, sends never complete: the first to pass its timeout aborts the endpoint
+    (UCX cannot cancel a rendezvous send), failing every pending send to that peer;
+  * a receiver drains (takes and drops) late messages of a failed transfer for ``drain_seconds``,
+    so a live but late sender completes instead of timing out and aborting its endpoint.
+
+Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
+(cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
+makes a CUDA context current first, as ucxx's progress thread does.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.transfer.base import (
+    KVTransport,
+    LayerCallback,
+    PeerHandle,
+    PeerUnreachableError,
+    RecvTransfer,
+    TransferError,
+    TransferTimeoutError,
+    check_layer,
+)
+from pdserve.transfer.header import (
+    HeaderMismatchError,
+    KVLayout,
+    LayerHeader,
+    message_buffer_of,
+    message_views,
+    pack_address,
+    unpack_address,
+    write_header,
+    write_message,
+)
+from pdserve.transfer.ucx_runtime import Timer, UCXWorkerThread
+
+LAYER_BITS = 16
+ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << LAYER_BITS) - 1)
+CLOSE_PERIOD_NS = 100_000_000
+
+
+def message_tag(transfer_id: int, layer: int) -> int:
+    return (transfer_id << LAYER_BITS) | layer
+
+
+@dataclass(eq=False)
+class _Send:
+    buf: torch.Tensor
+    result: concurrent.futures.Future[None]
+    deadline: float
+    where: str
+    request: Any = None
+
+
+@dataclass(eq=False)
+class UCXPeer(PeerHandle):
+    endpoint: Any = None
+    pending: list[_Send] = field(default_factory=list)
+    timer: Timer | None = None
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One receive buffer of a transfer, for layers slot, slot + window, ..."""
+
+    layer: int
+    buf: torch.Tensor
+    array: Any = None  # ucxx's view of buf, made once
+    request: Any = None
+
+
+class UCXTransport(KVTransport):
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        device: str | torch.device = "cpu",
+        ucx_options: dict[str, str] | None = None,
+        recv_window: int = 8,
+        drain_seconds: float = 30.0,
+    ) -> None:
+        if recv_window < 1:
+            raise ValueError(f"recv_window must be >= 1, got {recv_window}")
+        self.layout = layout
+        self.device = torch.device(device)
+        self.recv_window = recv_window
+        self.drain_seconds = drain_seconds
+        self._closed = False
+        self._recvs: dict[int, tuple[RecvTransfer, list[_Slot]]] = {}
+        self._draining: dict[int, _Slot] = {}
+        self._peers: set[UCXPeer] = set()
+        # sends are posted in batches: one wake-up of the worker thread for all queued since
+        self._queue: collections.deque[tuple[UCXPeer, int, _Send]] = collections.deque()
+        self._queue_lock = threading.Lock()
+        self._wake_pending = False
+        self._ucx = UCXWorkerThread(dict(ucx_options or {}), self.device)
+        self._address = pack_address(layout, bytes(self._ucx.worker.address))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._ucx.running:
+                self._ucx.call(self._shutdown, timeout=10.0)
+        finally:
+            self._closed = True
+            self._ucx.stop()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        for transfer, _ in list(self._recvs.values()):
+            transfer.fail(TransferError(f"transfer {transfer.transfer_id}: transport closed"))
+        for tid in list(self._draining):
+            self._stop_drain(tid)
+        for peer in list(self._peers):
+            self._abort(peer, PeerUnreachableError("transport closed"))
+
+    # -- receiver -----------------------------------------------------------------------------
+
+    def address(self) -> bytes:
+        return self._address
+
+    def expect(
+        self, transfer_id: int, num_blocks: int, on_layer: LayerCallback, timeout: float
+    ) -> RecvTransfer:
+        transfer = RecvTransfer(self.layout, transfer_id, num_blocks, on_layer, timeout, self._ucx)
+        self._call(self._start_recv, transfer)
+        return transfer
+
+    def _start_recv(self, transfer: RecvTransfer) -> None:
+        tid = transfer.transfer_id
+        if self._closed:
+            raise TransferError("transport closed")
+        if tid in self._recvs or tid in self._draining:
+            raise ValueError(f"transfer id {tid} is in use (or was, less than a drain period ago)")
+        nbytes = self.layout.message_nbytes(transfer.num_blocks)
+        window = min(self.recv_window, transfer.num_layers)
+        slots = [
+            _Slot(layer, self._ucx.take_buffer(nbytes, self.device)) for layer in range(window)
+        ]
+        self._recvs[tid] = (transfer, slots)
+        transfer.start(self._recv_finished)
+        for slot in slots:
+            self._post_recv(transfer, slot)
+
+    def _post_recv(self, transfer: RecvTransfer, slot: _Slot) -> None:
+        ucx = self._ucx
+        if slot.array is None:
+            slot.array = ucx.array(slot.buf)
+        tag = ucx.tag(message_tag(transfer.transfer_id, slot.layer))
+        slot.request = ucx.worker.tag_recv(slot.array, tag, ucx.TAG_MASK_FULL)
+        ucx.watch(slot.request, lambda exc: self._recv_done(transfer, slot, exc))
+
+    def _recv_done(self, transfer: RecvTransfer, slot: _Slot, exc: BaseException | None) -> None:
+        slot.request = None
+        if exc is not None:
+            transfer.fail(self._recv_error(exc, transfer, slot.layer))
+            return
+        transfer.deliver(slot.buf, expected_layer=slot.layer)
+        if transfer.done():
+            return
+        if transfer.layer_complete(slot.layer):
+            slot.layer += min(self.recv_window, transfer.num_layers)
+        if slot.layer < transfer.num_layers:
+            self._post_recv(transfer, slot)  # the next layer, or the next chunk of this one
+        else:
+            self._ucx.give_buffer(slot.buf)
+
+    def _recv_error(self, exc: BaseException, transfer: RecvTransfer, layer: int) -> TransferError:
+        where = f"transfer {transfer.transfer_id} layer {layer}"
+        if isinstance(exc, self._ucx.ucx.UCXMessageTruncatedError):
+            nbytes = self.layout.message_nbytes(transfer.num_blocks)
+            return HeaderMismatchError(
+                f"{where}: message larger than the {nbytes} bytes of the reserved blocks: "
+                "the sender's block count or KV layout differs"
+            )
+        err = PeerUnreachableError(f"{where}: receive failed ({exc}); the sender may have died")
+        err.__cause__ = exc
+        return err
+
+    def _recv_finished(self, transfer: RecvTransfer) -> None:
+        _, slots = self._recvs.pop(transfer.transfer_id, (None, []))
+        for slot in slots:
+            if slot.request is not None:  # still posted: cancel it
+                self._ucx.forget(slot.request, slot.buf)
+                slot.request = None
+            elif slot.layer < transfer.num_layers:
+                self._ucx.give_buffer(slot.buf)
+        # Drain late messages only of a live sender: touching a dead one's pending messages
+        # again (with peer error handling off) crashed UCX here.
+        exc = transfer.future.exception()
+        if exc is not None and not isinstance(exc, PeerUnreachableError):
+            if not self._closed and self.drain_seconds > 0:
+                self._start_drain(transfer)
+
+    def _start_drain(self, transfer: RecvTransfer) -> None:
+        """Take and drop late messages of a failed transfer, so that their senders complete."""
+        tid = transfer.transfer_id
+        nbytes = self.layout.message_nbytes(transfer.num_blocks)
+        slot = _Slot(0, self._ucx.take_buffer(nbytes, self.device))
+        self._draining[tid] = slot
+        self._ucx.call_at(time.monotonic() + self.drain_seconds, self._stop_drain, tid)
+        self._post_drain(tid, slot)
+
+    def _post_drain(self, tid: int, slot: _Slot) -> None:
+        ucx = self._ucx
+        tag, mask = ucx.tag(message_tag(tid, 0)), ucx.tag_mask(ANY_LAYER_MASK)
+        if slot.array is None:
+            slot.array = ucx.array(slot.buf)
+        slot.request = ucx.worker.tag_recv(slot.array, tag, mask)
+        ucx.watch(slot.request, lambda exc: self._drained(tid, slot))
+
+    def _drained(self, tid: int, slot: _Slot) -> None:
+        slot.request = None
+        if self._draining.get(tid) is slot:
+            self._post_drain(tid, slot)
+
+    def _stop_drain(self, tid: int) -> None:
+        slot = self._draining.pop(tid, None)
+        if slot is not None and slot.request is not None:
+            self._ucx.forget(slot.request, slot.buf)
+            slot.request = None
+
+    # -- sender -------------------------------------------------------------------------------
+
+    def connect(self, peer_address: bytes) -> UCXPeer:
+        raw = unpack_address(peer_address, self.layout)
+        return self._call(self._connect, peer_address, raw)
+
+    def _connect(self, blob: bytes, raw: bytes) -> UCXPeer:
+        if self._closed:
+            raise TransferError("transport closed")
+        ucx = self._ucx.ucx
+        try:
+            address = ucx.UCXAddress.create_from_buffer(raw)
+            endpoint = ucx.UCXEndpoint.create_from_worker_address(self._ucx.worker, address, False)
+        except ucx.UCXError as exc:
+            raise PeerUnreachableError(f"cannot connect to the KV receiver: {exc}") from exc
+        peer = UCXPeer(address=blob, endpoint=endpoint)
+        self._peers.add(peer)
+        return peer
+
+    def layer_buffers(
+        self, num_blocks: int, device: str | torch.device = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self._ucx.take_buffer(self.layout.message_nbytes(num_blocks), torch.device(device))
+        return message_views(buf, LayerHeader.for_layer(self.layout, 0, 0, num_blocks))
+
+    def send_layer(
+        self,
+        peer: PeerHandle,
+        header: LayerHeader,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        timeout: float,
+    ) -> concurrent.futures.Future[None]:
+        if not isinstance(peer, UCXPeer):
+            raise TypeError(f"peer handle {peer!r} was not made by UCXTransport.connect")
+        check_layer(self.layout, header, k, v)
+        if self._closed:
+            raise TransferError("transport closed")
+        if not peer.alive:
+            raise PeerUnreachableError("peer was disconnected; connect again")
+        buf = message_buffer_of(k, v)  # gathered in place, into layer_buffers()?
+        if buf is not None:
+            write_header(buf, header)
+        else:
+            buf = self._ucx.take_buffer(self.layout.message_nbytes(header.num_blocks), k.device)
+            write_message(buf, header, k, v)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()  # UCX knows no streams
+        result: concurrent.futures.Future[None] = concurrent.futures.Future()
+        where = f"transfer {header.transfer_id} layer {header.layer}"
+        send = _Send(buf, result, time.monotonic() + timeout, where)
+        with self._queue_lock:
+            self._queue.append((peer, message_tag(header.transfer_id, header.layer), send))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            self._call_soon(self._post_queued)
+        return result
+
+    def _post_queued(self) -> None:
+        with self._queue_lock:
+            queued, self._queue = self._queue, collections.deque()
+            self._wake_pending = False
+        for peer, tag, send in queued:
+            self._post_send(peer, tag, send)
+
+    def _post_send(self, peer: UCXPeer, tag: int, send: _Send) -> None:
+        if not send.result.set_running_or_notify_cancel():
+            return
+        if not peer.alive or peer.endpoint is None:
+            send.result.set_exception(PeerUnreachableError(f"{send.where}: peer was disconnected"))
+            return
+        ucx = self._ucx
+        send.request = peer.endpoint.tag_send(ucx.array(send.buf), ucx.tag(tag))
+        peer.pending.append(send)
+        ucx.watch(send.request, lambda exc: self._send_done(peer, send, exc))
+        if peer.timer is None or send.deadline < peer.timer.when:
+            self._arm(peer, send.deadline)
+
+    def _send_done(self, peer: UCXPeer, send: _Send, exc: BaseException | None) -> None:
+        send.request = None
+        if send not in peer.pending:
+            return  # failed already, by a timeout or disconnect
+        peer.pending.remove(send)
+        if exc is None:
+            self._ucx.give_buffer(send.buf)
+            send.result.set_result(None)
+            return
+        err = PeerUnreachableError(f"{send.where}: send failed ({exc}); the receiver may be gone")
+        send.result.set_exception(err)
+        self._abort(peer, PeerUnreachableError(f"a send to this peer failed ({exc})"))
+
+    def _arm(self, peer: UCXPeer, when: float) -> None:
+        if peer.timer is not None:
+            peer.timer.cancel()
+        peer.timer = self._ucx.call_at(when, self._check_deadlines, peer)
+
+    def _check_deadlines(self, peer: UCXPeer) -> None:
+        peer.timer = None
+        now = time.monotonic()
+        late = [send for send in peer.pending if send.deadline <= now]
+        if late:  # a rendezvous send cannot be cancelled: the peer is dead or stuck, drop it
+            for send in late:
+                send.result.set_exception(
+                    TransferTimeoutError(
+                        f"{send.where}: not taken by the receiver by its deadline; it may be gone"
+                    )
+                )
+            self._abort(peer, PeerUnreachableError("another send to this peer timed out"))
+        elif peer.pending:
+            self._arm(peer, min(send.deadline for send in peer.pending))
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        if isinstance(peer, UCXPeer) and self._ucx.running:
+            self._call(self._abort, peer, PeerUnreachableError("peer was disconnected"))
+
+    def _abort(self, peer: UCXPeer, err: TransferError) -> None:
+        """Fail every pending send to ``peer`` with ``err`` and close its endpoint."""
+        peer.alive = False
+        if peer.timer is not None:
+            peer.timer.cancel()
+            peer.timer = None
+        pending, peer.pending = peer.pending, []
+        for send in pending:
+            if not send.result.done():
+                send.result.set_exception(err)
+        if peer.endpoint is not None:
+            peer.endpoint.close_blocking(period=CLOSE_PERIOD_NS, max_attempts=1)
+            peer.endpoint.remove_close_callback()
+            peer.endpoint = None
+        for send in pending:  # closing the endpoint cancelled them; UCX may still hold buffers
+            if send.request is not None:
+                self._ucx.forget(send.request, send.buf)
+                send.request = None
+        self._peers.discard(peer)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return self._ucx.call(fn, *args)
+        except RuntimeError as exc:
+            if not self._ucx.running:
+                raise TransferError("transport closed") from exc
+            raise
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        try:
+            self._ucx.call_soon_threadsafe(fn, *args)
+        except RuntimeError as exc:
+            raise TransferError("transport closed") from exc

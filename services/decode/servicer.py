@@ -1,0 +1,62 @@
+"""Thin grpc.aio adapter: protobuf -> DecodeWorker -> protobuf."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.engine import AdmissionError
+from pdserve.transfer import TransferError, TransferTimeoutError
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.convert import logprobs_to_proto, sampling_from_proto
+from services.decode.worker import DecodeWorker
+from services.stats import worker_stats
+
+DEFAULT_KV_TIMEOUT_S = 30.0
+
+
+def token_chunk(out) -> worker_pb2.DecodeResponse:
+    logprobs = [lp for lp in map(logprobs_to_proto, out.new_logprobs) if lp is not None]
+    return worker_pb2.DecodeResponse(tokens=worker_pb2.TokenChunk(
+        token_ids=out.new_token_ids, logprobs=logprobs, finish_reason=out.finish_reason or ""))
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = list(request.prompt_token_ids)
+        if request.prefill_locally:
+            try:
+                async for out in self.worker.generate_local(request.request_id, ids, params):
+                    yield token_chunk(out)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else DEFAULT_KV_TIMEOUT_S
+        try:
+            adm = await self.worker.admit(request.request_id, ids, params, timeout)
+        except AdmissionError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        transport = self.worker.transport
+        try:
+            yield worker_pb2.DecodeResponse(admitted=worker_pb2.Admitted(destination=worker_pb2.KVDestination(
+                transfer_id=str(adm.transfer_id), kv_address=transport.address(), block_ids=adm.block_ids,
+                deadline_unix_ms=adm.deadline_unix_ms, compat_hash=transport.layout.compat_hash)))
+            async for out in self.worker.stream(adm):
+                yield token_chunk(out)
+        except TransferTimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            await self.worker.release(adm)  # the caller went away right after admission, or failed
+
+    async def Stats(self, request, context) -> worker_pb2.WorkerStats:
+        return worker_stats(self.worker.engine)

@@ -1,0 +1,249 @@
+"""Gateway: validate, tokenize, route to a decode + prefill pair, stream tokens back.
+
+    client ──Generate──> Gateway ──Decode.Generate──> D   (1) admitted: blocks reserved
+                                 ──Prefill.Prefill──> P   (2) KV pushed P -> D, first token back
+                         first token ──> client            (TTFT does not wait for the transfer)
+                         tokens 2..N <── D stream ──> client
+
+Failures before the first token are retried on another pair; after it, the client gets
+UNAVAILABLE at once. A full decode worker answers RESOURCE_EXHAUSTED at once: when every one is
+full, the request queues here until capacity frees (or its deadline / the queue timeout passes). When no prefill worker
+is alive, a colocated worker (or a decode worker prefilling locally) serves, and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.sampler import TokenLogprobs
+from pdserve.sampling_params import SamplingParams
+from pdserve.text import TextStream
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import worker_pb2
+from services.convert import logprobs_from_proto, sampling_to_proto
+from services.gateway.registry import Worker, WorkerRegistry
+from services.gateway.router import Router
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.ABORTED}
+
+
+class GatewayError(Exception):
+    """Ends a request with a status code and a message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Delta:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+@dataclass
+class GatewayStats:
+    requests_ok: int = 0
+    requests_failed: int = 0
+    requests_without_disaggregation: int = 0
+    retries: int = 0
+
+
+class Gateway:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, registry: WorkerRegistry,
+                 router: Router, model_name: str, kv_timeout_s: float = 30.0, max_attempts: int = 3,
+                 queue_timeout_s: float = 300.0) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.registry = registry
+        self.router = router
+        self.model_name = model_name
+        self.kv_timeout_s = kv_timeout_s
+        self.max_attempts = max_attempts
+        self.queue_timeout_s = queue_timeout_s
+        self._capacity = asyncio.Condition()
+        self.stats = GatewayStats()
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return f"gw-{next(self._ids)}"
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty; give at least one token")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} exceeds this model's context of {self.max_model_len} tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
+                       timeout: float | None = None) -> AsyncIterator[Delta]:
+        text = TextStream(self.tokenizer, ids, params.stop)
+        try:
+            async for delta in self._route(request_id, ids, params, text, timeout):
+                yield delta
+                if delta.finish_reason:
+                    self.stats.requests_ok += 1
+                    return
+        except GatewayError:
+            self.stats.requests_failed += 1
+            raise
+
+    async def _route(self, rid, ids, params, text: TextStream, timeout) -> AsyncIterator[Delta]:
+        tried: set[str] = set()  # failed for this request: not asked again
+        full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once capacity frees
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + (timeout if timeout is not None else self.queue_timeout_s)
+        last_error = "no worker is registered"
+        attempts = 0
+        tries = itertools.count()
+        while attempts < self.max_attempts:
+            # Each try has its own id on the workers: a cancelled try may still be winding down there.
+            stream = self._pick(f"{rid}.{next(tries)}", ids, params, timeout, tried | full)
+            if stream is None:
+                if not full:
+                    break
+                # Every decode worker is full: queue here until one of our requests ends (or a poll
+                # interval passes: other gateways' requests free blocks too).
+                if loop.time() >= give_up_at:
+                    raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"every decode worker stayed full for {self.queue_timeout_s:g} s")
+                async with self._capacity:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._capacity.wait(), min(0.25, give_up_at - loop.time()))
+                full.clear()
+                continue
+            started = False
+            try:
+                async for token_ids, logprobs, finish in stream:
+                    started = True
+                    delta = Delta(logprobs=logprobs)
+                    for t in token_ids:
+                        delta.token_ids.append(t)
+                        if text.add(t):
+                            finish = "stop"
+                            break
+                    delta.text = text.take(finished=bool(finish))
+                    delta.finish_reason = finish
+                    if not delta.token_ids and not delta.text and not finish:
+                        continue
+                    yield delta
+                    if finish:
+                        return
+                raise _WorkerFailed(None, "worker stream ended without a finish reason")
+            except _WorkerFailed as e:
+                if started:
+                    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                       f"worker failed mid-stream after the first token: {e}") from None
+                last_error = str(e)
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.worker is not None:
+                    full.add(e.worker.worker_id)
+                    continue
+                if e.code is not None and e.code not in RETRYABLE:
+                    raise GatewayError(e.code, str(e)) from None
+                if e.worker is not None:
+                    tried.add(e.worker.worker_id)
+                    e.worker.failures += 1
+                attempts += 1
+                self.stats.retries += 1
+            finally:
+                await stream.aclose()
+        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}")
+
+    def _pick(self, rid, ids, params, timeout, exclude: set[str]):
+        """The token stream of the next pair to try, or None when no worker is left."""
+        prefill = self.router.pick(self.registry.alive("prefill"), exclude)
+        if prefill is None:
+            local = self.router.pick(self.registry.alive("colocated") + self.registry.alive("decode"), exclude)
+            if local is None:
+                return None
+            self.stats.requests_without_disaggregation += 1
+            return self._local(local, rid, ids, params, timeout)
+        decode = self.router.pick(self.registry.alive("decode"), exclude)
+        if decode is None:
+            return None
+        return self._disaggregated(decode, prefill, rid, ids, params, timeout)
+
+    async def _released(self) -> None:
+        async with self._capacity:
+            self._capacity.notify_all()
+
+    async def _local(self, worker: Worker, rid, ids, params, timeout):
+        req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(params),
+                                       prefill_locally=True)
+        cost = len(ids) + params.max_tokens
+        worker.outstanding_tokens += cost
+        call = worker.stub.Generate(req, timeout=timeout)
+        try:
+            async for msg in _read(call, worker):
+                c = msg.tokens
+                yield list(c.token_ids), [logprobs_from_proto(p) for p in c.logprobs], c.finish_reason
+        finally:
+            worker.outstanding_tokens -= cost
+            call.cancel()
+            await self._released()
+
+    async def _disaggregated(self, decode: Worker, prefill: Worker, rid, ids, params, timeout):
+        sampling = sampling_to_proto(params)
+        cost = len(ids) + params.max_tokens
+        decode.outstanding_tokens += cost
+        prefill.outstanding_tokens += len(ids)
+        call = decode.stub.Generate(worker_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling,
+            kv_timeout_ms=int(self.kv_timeout_s * 1000)), timeout=timeout)
+        prefill_done = False
+        try:
+            reader = _read(call, decode)
+            first = await anext(reader, None)
+            if first is None or not first.HasField("admitted"):
+                raise _WorkerFailed(decode, "decode worker did not admit the request")
+            try:
+                resp = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                    destination=first.admitted.destination), timeout=timeout or self.kv_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise _WorkerFailed(prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()) from None
+            finally:
+                prefill.outstanding_tokens -= len(ids)
+                prefill_done = True
+            lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
+            yield [resp.first_token.token_id], lp, ""
+            async for msg in reader:
+                c = msg.tokens
+                yield list(c.token_ids), [logprobs_from_proto(p) for p in c.logprobs], c.finish_reason
+        finally:
+            decode.outstanding_tokens -= cost
+            if not prefill_done:
+                prefill.outstanding_tokens -= len(ids)
+            call.cancel()
+            await self._released()
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: Worker | None, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.code = code
+
+
+async def _read(call, worker: Worker):
+    try:
+        async for msg in call:
+            yield msg
+    except grpc.aio.AioRpcError as e:
+        raise _WorkerFailed(worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()) from None
+

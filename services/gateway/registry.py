@@ -1,0 +1,77 @@
+"""Workers known to the gateway: registered with a lease (renewed by heartbeats) or listed statically."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve import rpc
+from pdserve.v1 import worker_pb2_grpc
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    role: str
+    address: str
+    compat_hash: str
+    static: bool = False
+    lease_expires: float = float("inf")
+    outstanding_tokens: int = 0  # of requests this gateway has in flight there
+    failures: int = 0
+    channel: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.channel = rpc.channel(self.address)
+        if self.role == "prefill":
+            self.stub = worker_pb2_grpc.PrefillStub(self.channel)
+        else:
+            self.stub = worker_pb2_grpc.DecodeStub(self.channel)
+
+    @property
+    def alive(self) -> bool:
+        return self.static or time.monotonic() < self.lease_expires
+
+
+class LayoutMismatchError(ValueError):
+    pass
+
+
+class WorkerRegistry:
+    def __init__(self, lease_s: float = 10.0) -> None:
+        self.lease_s = lease_s
+        self.workers: dict[str, Worker] = {}
+        self.compat_hash: str | None = None  # of the first worker; every other must match
+
+    def register(self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False) -> Worker:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not address:
+            raise ValueError("a worker must give its gRPC address")
+        live = [w for w in self.workers.values() if w.alive and w.worker_id != worker_id]
+        expected = live[0].compat_hash if live else None
+        if expected is not None and compat_hash != expected:
+            raise LayoutMismatchError(
+                f"worker {worker_id} at {address} has KV layout {compat_hash}, but the workers already "
+                f"registered have {expected}: start every worker with the same model, dtype and block size"
+            )
+        old = self.workers.get(worker_id)
+        if old is not None and old.address == address and old.role == role:
+            old.lease_expires = time.monotonic() + self.lease_s
+            return old
+        w = Worker(worker_id, role, address, compat_hash, static=static,
+                   lease_expires=time.monotonic() + self.lease_s)
+        self.workers[worker_id] = w
+        return w
+
+    def heartbeat(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None or not w.alive:
+            return False
+        w.lease_expires = time.monotonic() + self.lease_s
+        return True
+
+    def alive(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]

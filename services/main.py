@@ -1,0 +1,184 @@
+"""Process entry points: ``pdserve gateway | prefill | decode | colocated``.
+
+Each prints one line ``READY <role> <host:port>`` on stdout once it serves (``pdserve up`` and the
+end-to-end tests wait for it), and stops cleanly on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from pdserve import rpc
+from pdserve.config import EngineConfig
+from pdserve.engine import LLMEngine
+from pdserve.model.config import ModelConfig
+from pdserve.model.fetch import resolve_model
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2, generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc as gen_grpc
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill, decode, colocated
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    gateway: str | None = None  # register with this gateway
+    transport: str = "ucx"
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    policy: str = "least_loaded"
+    lease_s: float = 10.0
+    kv_timeout_s: float = 30.0
+    max_model_len: int | None = None
+
+
+def _ready(role: str, address: str) -> None:
+    print(f"READY {role} {address}", flush=True)
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def kv_layout(engine: LLMEngine, model_name: str):
+    from pdserve.transfer import KVLayout
+
+    cfg = engine.model_config
+    return KVLayout(model=model_name, dtype=engine.dtype, block_size=engine.scheduler.block_size,
+                    num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+class Registration:
+    """Register with the gateway, then heartbeat at a third of the lease; re-register when the
+    gateway forgot this worker (its lease ran out, or the gateway restarted)."""
+
+    def __init__(self, gateway: str, worker_id: str, role: str, address: str, layout) -> None:
+        self.stub = worker_pb2_grpc.RegistryStub(rpc.channel(gateway))
+        self.request = worker_pb2.RegisterRequest(
+            worker_id=worker_id, role=role, address=address,
+            layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash))
+        self.period = 1.0
+
+    async def register(self) -> None:
+        """Raises SystemExit with the gateway's reason when it refuses this worker."""
+        try:
+            resp = await self.stub.Register(self.request, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                print(f"pdserve {self.request.role}: gateway refused registration: {e.details()}",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            raise
+        self.period = max(resp.lease_ms / 3000, 0.1)
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            try:
+                hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
+                if not (await self.stub.Heartbeat(hb, timeout=5)).known:
+                    await self.register()
+            except grpc.aio.AioRpcError:
+                continue  # the gateway is away; keep trying
+
+
+async def serve_worker(opts: WorkerOptions) -> None:
+    from services.decode.servicer import DecodeServicer
+    from services.decode.worker import DecodeWorker
+    from services.prefill.servicer import PrefillServicer
+    from services.prefill.worker import PrefillWorker
+
+    engine = LLMEngine(opts.engine, detokenize=False)
+    model_name = resolve_model(opts.engine.model).name
+    layout = kv_layout(engine, model_name)
+    transport = None
+    if opts.role != "colocated":
+        from pdserve.transfer import create_transport
+
+        transport = create_transport(opts.transport, layout)
+    if opts.role == "prefill":
+        worker = PrefillWorker(engine, transport)
+        server = rpc.Server(["pdserve.v1.Prefill"])
+        worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server.server)
+    else:
+        worker = DecodeWorker(engine, transport)
+        server = rpc.Server(["pdserve.v1.Decode"])
+        worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
+    port = server.bind(f"{opts.host}:{opts.port}")
+    address = f"{opts.host}:{port}"
+    worker.start(asyncio.get_running_loop())
+    await server.start()
+    await server.set_serving(True)
+    registration = None
+    if opts.gateway:
+        reg = Registration(opts.gateway, f"{opts.role}-{uuid.uuid4().hex[:8]}", opts.role, address, layout)
+        await reg.register()  # READY means: registered, the gateway routes here from now on
+        registration = asyncio.create_task(reg.heartbeat_forever())
+    _ready(opts.role, address)
+    try:
+        if registration is not None:
+            done, _ = await asyncio.wait([registration, asyncio.create_task(_until_signalled())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()
+        else:
+            await _until_signalled()
+    finally:
+        if registration is not None:
+            registration.cancel()
+        await server.set_serving(False)
+        await server.stop(grace=1.0)
+        worker.stop()
+
+
+async def serve_gateway(opts: GatewayOptions) -> None:
+    from services.gateway.gateway import Gateway
+    from services.gateway.registry import WorkerRegistry
+    from services.gateway.router import Router
+    from services.gateway.servicer import GenerationServicer, RegistryServicer
+
+    folder = resolve_model(opts.model)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    registry = WorkerRegistry(lease_s=opts.lease_s)
+    gateway = Gateway(Tokenizer.from_folder(folder), max_len, cfg.vocab_size, registry, Router(opts.policy),
+                      model_name=folder.name, kv_timeout_s=opts.kv_timeout_s)
+    server = rpc.Server([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                         "pdserve.v1.Registry"])
+    gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
+    worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
+    port = server.bind(f"{opts.host}:{opts.port}")
+    await server.start()
+    await server.set_serving(True)
+    _ready("gateway", f"{opts.host}:{port}")
+    try:
+        await _until_signalled()
+    finally:
+        await server.stop(grace=1.0)
+
+
+def run(coro) -> int:
+    torch.set_grad_enabled(False)
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        pass
+    return 0

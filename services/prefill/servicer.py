@@ -1,0 +1,49 @@
+"""Thin grpc.aio adapter: protobuf -> PrefillWorker -> protobuf."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.convert import logprobs_to_proto, sampling_from_proto
+from services.prefill.worker import Destination, PrefillWorker
+from services.stats import worker_stats
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        d = request.destination
+        try:
+            params = sampling_from_proto(request.sampling)
+            dest = Destination(d.kv_address, int(d.transfer_id), list(d.block_ids),
+                               max(d.deadline_unix_ms / 1000 - time.time(), 0.001))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if d.compat_hash and d.compat_hash != self.worker.transport.layout.compat_hash:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"decode worker's KV layout {d.compat_hash} differs from this prefill "
+                                f"worker's {self.worker.transport.layout.compat_hash}")
+        try:
+            out, stats = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, dest)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except HeaderMismatchError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TransferTimeoutError as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        lp = logprobs_to_proto(out.new_logprobs[0]) or None
+        first = lp if lp is not None else common_pb2.TokenLogprob(token_id=out.new_token_ids[0])
+        return worker_pb2.PrefillResponse(
+            first_token=first, cached_prompt_tokens=out.num_cached_tokens,
+            transfer=worker_pb2.TransferStats(bytes=stats.nbytes, seconds=stats.seconds, gbps=stats.gbps))
+
+    async def Stats(self, request, context) -> worker_pb2.WorkerStats:
+        return worker_stats(self.worker.engine)
