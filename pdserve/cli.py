@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print a torch.profiler table of decode steps at this batch size")
     o.add_argument("--json", default=None, help="also write the results to this JSON file")
     o.set_defaults(func=cmd_bench_offline)
+    from pdserve import bench_serve
+
+    bench_serve.add_command(bsub)
     return parser
 
 

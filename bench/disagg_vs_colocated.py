@@ -1,0 +1,70 @@
+"""Disaggregated (1 prefill + 1 decode, one core each) against colocated (one worker, both cores)
+on the same workload, in one run; prints both summaries and their ratios.
+
+    .venv/bin/python bench/disagg_vs_colocated.py --requests 64 --users 16 \\
+        --prompt-words 0.9:64-256,0.1:2000 --output-len 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.bench_serve import print_summary, run_load  # noqa: E402
+from pdserve.serve_cli import start_process, stop_processes  # noqa: E402
+
+ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
+SETUPS = {
+    "disaggregated": [["prefill", "--threads", "1", "--cpus", "0"], ["decode", "--threads", "1", "--cpus", "1"]],
+    "colocated": [["colocated", "--threads", "2"]],
+}
+
+
+def run_setup(name: str, args) -> dict:
+    procs = []
+    try:
+        gw, address = start_process(["gateway", "--port", "0"], env=ENV)
+        procs.append(gw)
+        for argv in SETUPS[name]:
+            procs.append(start_process([*argv, *COMMON, "--gateway", address], env=ENV)[0])
+        asyncio.run(run_load(address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
+        return asyncio.run(run_load(address, args.requests, args.users, args.rate, args.prompt_words,
+                                    args.output_len, args.seed, 1200))
+    finally:
+        stop_processes(procs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--rate", type=float, default=None)
+    p.add_argument("--prompt-words", default="0.9:64-256,0.1:2000")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results = {}
+    for name in SETUPS:
+        print(f"== {name}", flush=True)
+        results[name] = run_setup(name, args)
+        print_summary(results[name])
+    d, c = results["disaggregated"], results["colocated"]
+    print("== disaggregated / colocated")
+    for key in ("tpot_s", "itl_s", "ttft_s", "tpot_short_prompts_s"):
+        if d[key] and c[key]:
+            print(f"{key}: p50 {d[key]['p50'] / c[key]['p50']:.2f}x, p99 {d[key]['p99'] / c[key]['p99']:.2f}x")
+    print(f"output tokens/s: {d['output_tokens_per_s'] / c['output_tokens_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "per_request"} for k, v in results.items()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
