@@ -52,6 +52,10 @@ WAIT_GRACE_S = 1.0  # wait() gives up this long after the deadline even if the t
 
 @dataclass(frozen=True)
 class TransferStats:
+    """``seconds``: on the receiver, from ``expect`` to the last layer landed; on the sender,
+    from the first ``send_layer`` to the last message taken by the receiver. Both include the
+    time the prefill spends computing between layers when sends are pipelined with compute."""
+
     transfer_id: int
     num_layers: int
     num_messages: int
@@ -256,6 +260,7 @@ class SendTransfer:
         self._nbytes = 0
         self._started: float | None = None
         self._finished = 0.0
+        self._num_finished = 0
         self._lock = threading.Lock()
 
     def layer_buffers(self, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,17 +295,15 @@ class SendTransfer:
         if self._started is None:
             self._started = time.perf_counter()
         fut = self.transport.send_layer(self.peer, header, k, v, timeout=remaining)
-        nbytes = layout.message_nbytes(header.num_blocks)
-
-        def done(f: concurrent.futures.Future[None]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                with self._lock:
-                    self._nbytes += nbytes
-                    self._finished = max(self._finished, time.perf_counter())
-
-        fut.add_done_callback(done)
+        self._nbytes += layout.message_nbytes(header.num_blocks)
+        fut.add_done_callback(self._record_finish)
         self._futures.append(fut)
         return fut
+
+    def _record_finish(self, _: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._finished = max(self._finished, time.perf_counter())
+            self._num_finished += 1
 
     def wait(self) -> TransferStats:
         """Block until every send has been taken by the receiver; raise the first failure."""
@@ -312,10 +315,14 @@ class SendTransfer:
                 raise TransferTimeoutError(
                     f"transfer {self.transfer_id}: sends not completed by the deadline"
                 ) from None
-        started = self._started if self._started is not None else time.perf_counter()
-        with self._lock:
-            seconds = max(self._finished - started, 0.0)
-            nbytes = self._nbytes
+        now = time.perf_counter()
+        started = self._started if self._started is not None else now
+        with self._lock:  # a future's waiters wake before its callbacks run: count those as now
+            finished = self._finished if self._num_finished == len(self._futures) else now
         return TransferStats(
-            self.transfer_id, self.transport.layout.num_layers, len(self._futures), nbytes, seconds
+            self.transfer_id,
+            self.transport.layout.num_layers,
+            len(self._futures),
+            self._nbytes,
+            max(finished - started, 0.0),
         )

@@ -1,7 +1,7 @@
 """The thread that owns a UCX worker: the plumbing under ucx.py.
 
 One thread ("pdserve-ucx") does all UCX work for a transport: it posts every request, progresses
-the worker (UCX moves the data inside ``progress``, e.g. the CMA read of a message), notices
+the worker (UCX moves the data inside ``progress``, e.g. the CMA copy of a message), notices
 completed requests and runs their callbacks, runs timers (deadlines), and runs calls handed over
 by other threads through a queue. When there is nothing to do it sleeps on the worker's epoll fd
 (UCX wake-up events) and a wake-up pipe, so an idle transport costs no CPU.
@@ -78,7 +78,12 @@ class UCXWorkerThread:
         )
         self._thread.daemon = True
         self._thread.start()
-        started.result()  # re-raises a failed UCX start-up here
+        try:
+            started.result()  # re-raises a failed UCX start-up here
+        except BaseException:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -119,10 +124,16 @@ class UCXWorkerThread:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step; requests still posted are cancelled by UCX at teardown."""
         with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
         os.write(self._wake_w, b"x")
-        if not self.in_thread():
-            self._thread.join(timeout)
+        if self.in_thread():
+            return  # the wake-up pipe stays open: closing it here could race a writer
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # -- worker thread ------------------------------------------------------------------------
 
@@ -180,8 +191,6 @@ class UCXWorkerThread:
             self._watched.clear()
             self._timers.clear()
             poller.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
 
     def _step(self, poller: select.epoll) -> None:
         busy = self._run_calls()

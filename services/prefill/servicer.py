@@ -30,7 +30,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                                 f"decode worker's KV layout {d.compat_hash} differs from this prefill "
                                 f"worker's {self.worker.transport.layout.compat_hash}")
         try:
-            out, stats = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, dest)
+            out, stats, overlap = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, dest)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except HeaderMismatchError as e:
@@ -43,7 +43,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         first = lp if lp is not None else common_pb2.TokenLogprob(token_id=out.new_token_ids[0])
         return worker_pb2.PrefillResponse(
             first_token=first, cached_prompt_tokens=out.num_cached_tokens,
-            transfer=worker_pb2.TransferStats(bytes=stats.nbytes, seconds=stats.seconds, gbps=stats.gbps))
+            transfer=worker_pb2.TransferStats(bytes=stats.nbytes, seconds=stats.seconds, gbps=stats.gbps,
+                                              overlap_fraction=overlap))
 
     async def Stats(self, request, context) -> worker_pb2.WorkerStats:
         return worker_stats(self.worker.engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,15 @@ class _Send:
     num_blocks: int
     last_layer: tuple[torch.Tensor, torch.Tensor] | None = None
     error: BaseException | None = None
+    first_send: float = 0.0  # perf_counter when layer 0 left
+    compute_end: float = 0.0  # perf_counter when sampling ended (the last layer leaves then)
+
+
+def overlap_fraction(send: _Send, seconds: float) -> float:
+    """Share of the transfer's time during which the model was still computing."""
+    if seconds <= 0 or not send.first_send:
+        return 0.0
+    return min(max((send.compute_end - send.first_send) / seconds, 0.0), 1.0)
 
 
 class PrefillWorker:
@@ -63,8 +73,9 @@ class PrefillWorker:
             return peer
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      dest: Destination) -> tuple[RequestOutput, TransferStats]:
-        """Prefill, ship the KV to ``dest``, return the first token and the transfer's stats."""
+                      dest: Destination) -> tuple[RequestOutput, TransferStats, float]:
+        """Prefill, ship the KV to ``dest``; returns the first token, the transfer's stats and the
+        share of the transfer that overlapped the model's compute."""
         self.engine.validate(prompt_ids, params)
         num_prompt_blocks = -(-len(prompt_ids) // self.engine.scheduler.block_size)
         if len(dest.block_ids) != num_prompt_blocks:
@@ -83,7 +94,7 @@ class PrefillWorker:
             if send.error is not None:
                 raise send.error
             stats = await asyncio.to_thread(tx.wait)
-            return out, stats
+            return out, stats, overlap_fraction(send, stats.seconds)
         finally:
             self.loop.close_stream(request_id)
             self._sends.pop(request_id, None)
@@ -104,6 +115,8 @@ class PrefillWorker:
                 continue
             try:
                 send.tx.send_layer(layer, k, v)
+                if not send.first_send:
+                    send.first_send = time.perf_counter()
             except Exception as e:  # noqa: BLE001 - reported to the waiting request
                 send.error = e
 
@@ -114,6 +127,7 @@ class PrefillWorker:
                 continue
             k, v = send.last_layer
             send.last_layer = None
+            send.compute_end = time.perf_counter()
             try:
                 send.tx.send_layer(self._num_layers - 1, k, v, token_id=out.new_token_ids[0])
             except Exception as e:  # noqa: BLE001

@@ -1,0 +1,173 @@
+"""Shared KV data and the other side of each UCX test, run as a separate process (spawn).
+
+Both sides derive a transfer's K/V from its seed, so a receiver can check every byte it landed
+without the data travelling any other way. Children talk to the test over a Pipe; every wait on
+either side has a timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pdserve.transfer import (
+    KVLayout,
+    KVTransport,
+    TransferError,
+    create_transport,
+    scatter_into,
+)
+
+TIMEOUT = 20.0  # generous bound for any single wait in these tests
+
+
+def default_layout(dtype: torch.dtype = torch.float32, model: str = "SmolLM2-135M") -> KVLayout:
+    """The default model's KV layout: 30 layers, 3 KV heads, head_dim 64, block 16."""
+    return KVLayout(model, dtype, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+def layer_kv(
+    layout: KVLayout, num_blocks: int, seed: int, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered K and V of ``layer`` of the transfer with ``seed``, as the sender sends it."""
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    k = torch.randn(num_blocks, *layout.block_shape, generator=gen).to(layout.dtype)
+    v = torch.randn(num_blocks, *layout.block_shape, generator=gen).to(layout.dtype)
+    return k, v
+
+
+def block_ids(pool_blocks: int, num_blocks: int, seed: int) -> torch.Tensor:
+    """Distinct block ids for one side of a transfer (different seeds: different ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(pool_blocks, generator=gen)[:num_blocks]
+
+
+class Pools:
+    """Per-layer K and V pools ``[pool_blocks, *block_shape]``, zero-filled."""
+
+    def __init__(self, layout: KVLayout, pool_blocks: int) -> None:
+        shape = (pool_blocks, *layout.block_shape)
+        self.layout = layout
+        self.k = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+
+    def fill(self, ids: torch.Tensor, seed: int) -> None:
+        """Put the transfer ``seed``'s KV at ``ids`` (the sender's side)."""
+        for layer in range(self.layout.num_layers):
+            k, v = layer_kv(self.layout, len(ids), seed, layer)
+            self.k[layer][ids] = k
+            self.v[layer][ids] = v
+
+    def mismatches(self, ids: torch.Tensor, seed: int) -> list[str]:
+        """Layers whose blocks at ``ids`` differ in any byte from transfer ``seed``'s KV, or whose
+        other blocks are not all zero (a receiver's side)."""
+        bad = []
+        others = torch.ones(self.k[0].shape[0], dtype=torch.bool)
+        others[ids] = False
+        for layer in range(self.layout.num_layers):
+            k, v = layer_kv(self.layout, len(ids), seed, layer)
+            same = all(
+                torch.equal(got[ids].view(torch.uint8), want.view(torch.uint8))
+                for got, want in ((self.k[layer], k), (self.v[layer], v))
+            )
+            clean = not self.k[layer][others].any() and not self.v[layer][others].any()
+            if not (same and clean):
+                bad.append(f"layer {layer}: bytes equal={same}, other blocks untouched={clean}")
+        return bad
+
+
+def spawn(target: Any, *args: Any) -> tuple[mp.Process, Connection]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def recv(conn: Connection, timeout: float = TIMEOUT) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"peer process sent nothing within {timeout} s")
+    return conn.recv()
+
+
+def stop(proc: mp.Process) -> None:
+    proc.kill()
+    proc.join(TIMEOUT)
+
+
+# -- child processes ---------------------------------------------------------------------------
+
+
+def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
+    """Receive transfers on command, scatter them into this process's own block ids, and report
+    ("done", tid, mismatches, stats) or ("failed", tid, error type, message)."""
+    torch.set_num_threads(1)
+    lock = threading.Lock()
+
+    def reply(msg: tuple[Any, ...]) -> None:
+        with lock:
+            conn.send(msg)
+
+    def run(transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float) -> None:
+        pools = Pools(layout, pool_blocks)
+        ids = block_ids(pool_blocks, num_blocks, seed + 7919)
+        transfer = transport.expect(tid, num_blocks, scatter_into(pools.k, pools.v, ids), timeout)
+        reply(("expecting", tid))
+        try:
+            stats = transfer.wait()
+        except TransferError as exc:
+            reply(("failed", tid, type(exc).__name__, str(exc)))
+        else:
+            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes))
+
+    try:
+        with create_transport("ucx", layout) as transport:
+            reply(("address", transport.address()))
+            while (cmd := conn.recv()) is not None:
+                threading.Thread(target=run, args=(transport, *cmd), daemon=True).start()
+    except Exception:  # noqa: BLE001 - shown by the test that waits for a reply
+        reply(("crashed", traceback.format_exc()))
+
+
+def sender_main(conn: Connection, layout: KVLayout, address: bytes, pool_blocks: int) -> None:
+    """Reports ("ready",) once connected to ``address``, then sends layers on command:
+    ("send", tid, num_blocks, seed, layers[, wait]). Reports ("posted", tid, n)
+    once the worker thread has posted every send, then ("sent", tid, n) once the receiver took
+    them all (unless ``wait`` is False). Gathers into ``layer_buffers`` as an engine does."""
+    torch.set_num_threads(1)
+    try:
+        with create_transport("ucx", layout) as transport:
+            peer = transport.connect(address)
+            conn.send(("ready",))
+            transfers = {}
+            while (cmd := conn.recv()) is not None:
+                _, tid, num_blocks, seed, layers, wait = (*cmd, True)[:6]
+                if tid not in transfers:
+                    pools = Pools(layout, pool_blocks)
+                    ids = block_ids(pool_blocks, num_blocks, seed)
+                    pools.fill(ids, seed)
+                    tx = transport.start_send(peer, tid, num_blocks, timeout=TIMEOUT)
+                    transfers[tid] = (tx, pools, ids)
+                tx, pools, ids = transfers[tid]
+                futures = []
+                for layer in layers:
+                    k, v = tx.layer_buffers()
+                    torch.index_select(pools.k[layer], 0, ids, out=k)
+                    torch.index_select(pools.v[layer], 0, ids, out=v)
+                    futures.append(tx.send_layer(layer, k, v))
+                while not all(f.running() or f.done() for f in futures):
+                    time.sleep(0.001)  # the worker thread posts them within microseconds
+                conn.send(("posted", tid, len(layers)))
+                if not wait:
+                    continue
+                for fut in futures:
+                    fut.result(TIMEOUT)
+                conn.send(("sent", tid, len(layers)))
+    except Exception:  # noqa: BLE001 - shown by the test that waits for a reply
+        conn.send(("crashed", traceback.format_exc()))
