@@ -1,8 +1,13 @@
-"""Kernel micro-benchmarks on CPU (print only): python -m bench.kernels [--threads N].
+"""Kernel micro-benchmarks on CPU (print only): python -m bench.kernels [--threads N] [--only S].
 
-Decode attention for 32 sequences x 600 tokens, 9 heads / 3 kv heads / head_dim 64 (the default
-model's layer), blocks of 16 in shuffled order: reference vs the C kernel vs a "gather then bmm"
-baseline, ms per layer and GB/s of K/V read. Then prefill attention and the KV write/transfer ops.
+attention: decode attention for 32 sequences x 600 tokens, 9 heads / 3 kv heads / head_dim 64
+(the default model's layer), blocks of 16 in shuffled order: reference vs the C kernel vs a
+"gather then bmm" baseline, ms per layer and GB/s of K/V read. Then prefill attention and the KV
+write/transfer ops (sections prefill, copies).
+
+linear: every projection of the default model (30 layers of qkv, o, gate_up, down, and the
+lm_head), each layer's weights distinct so caches do not flatter, for a few rows of x: the C
+kernel (ops.linear) vs torch's F.linear, ms per step and GB/s of weights read.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 if not __package__:  # run as a file: bench/ is on sys.path and this file would shadow `kernels`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.cpu import ops  # noqa: E402
@@ -175,20 +182,74 @@ def bench_copies(dtype: torch.dtype, repeats: int) -> None:
         print(f"  {str(dtype)[6:]:8s} {name:34s} {median_ms(fn, repeats):8.3f} ms")
 
 
+# The default model (SmolLM2-135M): (N, K) of each layer's projections, and the tied lm_head.
+LAYER_LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down
+NUM_LAYERS = 30
+LM_HEAD = (49152, 576)
+
+
+def bench_linear(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
+    """One decode step's projections at each row count, C and torch alternating per repeat."""
+    shapes = [shape for _ in range(NUM_LAYERS) for shape in LAYER_LINEARS] + [LM_HEAD]
+    weights = [(torch.randn(n, k) / k**0.5).to(dtype) for n, k in shapes]
+    weight_gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    name = str(dtype)[6:]
+    c_faster = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
+        x0, w0 = xs[weights[0].shape[1]], weights[0]
+        times: dict[Callable, list[float]] = {ops.linear: [], F.linear: []}
+        with mock.patch.dict(ops.LINEAR_MAX_ROWS, {dtype: m}):  # the C kernel whatever m
+            err = (ops.linear(x0, w0).double() - F.linear(x0, w0).double()).abs().max().item()
+            for _ in range(repeats + 1):  # the first round warms up
+                for fn, ms in times.items():
+                    start = time.perf_counter()
+                    for w in weights:
+                        fn(xs[w.shape[1]], w)
+                    ms.append((time.perf_counter() - start) * 1e3)
+        c_ms, torch_ms = (statistics.median(ms[1:]) for ms in times.values())
+        if c_ms < torch_ms:
+            c_faster.append(m)
+        print(
+            f"  linear {name:8s} M={m:<3d} C {c_ms:7.1f} ms {weight_gb / c_ms * 1e3:5.1f} GB/s   "
+            f"torch {torch_ms:7.1f} ms {weight_gb / torch_ms * 1e3:5.1f} GB/s   "
+            f"C/torch {c_ms / torch_ms:4.2f}   max|C - torch| {err:.1e}"
+        )
+    print(
+        f"  linear {name:8s} {weight_gb * 1e3:.0f} MB of weights; C faster at M={c_faster} "
+        f"(ops.LINEAR_MAX_ROWS: {ops.LINEAR_MAX_ROWS.get(dtype)})"
+    )
+
+
+SECTIONS = ("attention", "prefill", "copies", "linear")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--only", choices=SECTIONS, action="append", help="repeatable")
+    parser.add_argument(
+        "--linear-rows", default="1,2,4,8,16,32", help="rows of x (tokens) for the linear section"
+    )
     args = parser.parse_args()
+    sections = args.only or SECTIONS
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} threads, C kernel: {ops.native_available()}")
-    for dtype in (torch.float32, torch.bfloat16):
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, C kernels: "
+        f"attention {ops.native_available()}, linear {ops.linear_available()}"
+    )
+    dtypes = (torch.float32, torch.bfloat16)
+    for dtype in dtypes if "attention" in sections else ():
         bench_decode(dtype, args.repeats)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes if "prefill" in sections else ():
         bench_prefill(dtype, args.repeats)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes if "copies" in sections else ():
         bench_copies(dtype, args.repeats)
+    rows = [int(m) for m in args.linear_rows.split(",")]
+    for dtype in dtypes if "linear" in sections else ():
+        bench_linear(dtype, rows, max(3, args.repeats // 10))
 
 
 if __name__ == "__main__":

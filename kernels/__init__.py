@@ -6,6 +6,7 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 - ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> out``
 - ``prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> out``
 - ``gather_blocks(cache, block_ids) -> buf`` / ``scatter_blocks(cache, block_ids, buf)``
+- ``linear(x, weight, bias=None) -> y`` (``x @ weight.T + bias``, the model's projections)
 
 ``get_backend(device)`` picks the implementation for a device:
 
@@ -13,7 +14,8 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 device    backend                                     falls back to reference when
 ========  ==========================================  =====================================
 cuda      ``kernels.triton`` (Triton kernels)         triton is not installed
-cpu       ``kernels.cpu`` (C decode kernel + SDPA)    the C kernel cannot build (per call)
+cpu       ``kernels.cpu`` (C decode kernel + SDPA,    the C kernel cannot build (per call)
+          C linear for a few rows of x)
 other     ``kernels.reference``
 ========  ==========================================  =====================================
 

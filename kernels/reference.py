@@ -14,6 +14,7 @@ output comes back in q.dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
@@ -127,3 +128,12 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``: write ``buf`` into blocks ``block_ids`` of ``cache``, in place."""
     cache.index_copy_(0, block_ids.long(), buf.to(cache.dtype))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``torch.nn.functional.linear``): x ``[..., K]``, weight ``[N, K]``.
+
+    The model's projections go through this, so a backend can stream the weights its own way
+    when only a few rows of x (decode tokens) multiply them.
+    """
+    return F.linear(x, weight, bias)

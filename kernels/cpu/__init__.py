@@ -1,7 +1,9 @@
-"""CPU backend: the C paged decode kernel and SDPA-based prefill (see ``ops.py``)."""
+"""CPU backend: the C paged decode kernel, SDPA-based prefill, the C linear (see ``ops.py``)."""
 
 from kernels.cpu.ops import (
     gather_blocks,
+    linear,
+    linear_available,
     native_available,
     paged_decode_attention,
     prefill_attention,
@@ -11,6 +13,8 @@ from kernels.cpu.ops import (
 
 __all__ = [
     "gather_blocks",
+    "linear",
+    "linear_available",
     "native_available",
     "paged_decode_attention",
     "prefill_attention",

@@ -83,11 +83,15 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) 
             os.unlink(tmp)
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """Load ``source`` compiled for this machine, compiling it first if it is not cached."""
+def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Load ``source`` compiled for this machine, compiling it first if it is not cached.
+
+    ``extra_flags`` go after the standard ones (and into the cache key), e.g. ``-U__AVX2__``
+    to build a kernel's portable path.
+    """
     compiler = _compiler()
     reasons = []
-    for flags in FLAG_SETS:
+    for flags in (f + tuple(extra_flags) for f in FLAG_SETS):
         try:
             target = _library_path(source, compiler, flags)
             if not target.exists():

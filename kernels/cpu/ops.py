@@ -1,7 +1,8 @@
-"""CPU kernels: paged decode attention in C (blocks read in place), prefill through torch's SDPA.
+"""CPU kernels: paged decode attention in C (blocks read in place), prefill through torch's SDPA,
+and a C linear layer for the few rows of x of a decode step.
 
-Same signatures as ``kernels/reference.py``. The C library is compiled on first use; without a
-compiler, or for inputs it does not cover (fp16, non-contiguous pools), the reference runs instead.
+Same signatures as ``kernels/reference.py``. The C libraries are compiled on first use; without a
+compiler, or for inputs they do not cover (fp16, non-contiguous tensors), the reference runs instead.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,27 +22,64 @@ from kernels.cpu.build import BuildError, load_library
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
+_LINEAR_SOURCE = Path(__file__).with_name("linear.c")
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Most rows of x for which ops.linear uses the C kernel, per dtype: where torch's F.linear caught
+# up (`python -m bench.kernels --only linear --linear-rows ...`: the default model's projections,
+# 2 threads, Zen 3 AVX2). fp32: C took 0.5x torch's time at 1-16 rows, 0.8x at 96, 0.84x at 128,
+# 1.0x at 160. bf16 (no native bf16 here): torch's matmul ran 5x slower than C at every row count
+# measured, up to 1024 (max_num_batched_tokens's default), so prefill uses the C kernel too.
+LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 1024}
+
+
+def _load(source: Path, what: str) -> ctypes.CDLL | None:
+    """``source`` built and loaded, or None after one warning that names the fallback."""
+    try:
+        return load_library(source)
+    except BuildError as exc:
+        logger.warning("CPU %s kernel unavailable (%s); using the reference", what, exc)
+        return None
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = load_library(_SOURCE)
-    except BuildError as exc:
-        logger.warning("CPU paged attention kernel unavailable (%s); using the reference", exc)
-        return None
-    fn = lib.pdserve_paged_decode_attention
-    fn.argtypes = (
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int32] * 2
-    )
-    fn.restype = ctypes.c_int
+    lib = _load(_SOURCE, "paged attention")
+    if lib is not None:
+        fn = lib.pdserve_paged_decode_attention
+        fn.argtypes = (
+            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int32] * 2
+        )
+        fn.restype = ctypes.c_int
     return lib
+
+
+def linear_function(lib: ctypes.CDLL) -> Callable[..., int]:
+    """``pdserve_linear`` of a library built from linear.c, with its C signature declared."""
+    fn = lib.pdserve_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _linear_kernel() -> Callable[..., int] | None:
+    lib = _load(_LINEAR_SOURCE, "linear")
+    if lib is None:
+        return None
+    if not lib.pdserve_linear_simd():
+        logger.info("CPU linear kernel built without AVX2+FMA (slower than torch); using torch")
+        return None
+    return linear_function(lib)
 
 
 def native_available() -> bool:
     """Whether the C decode kernel is compiled and loaded (building it if needed)."""
     return _library() is not None
+
+
+def linear_available() -> bool:
+    """Whether the C linear kernel is compiled and loaded (building it if needed)."""
+    return _linear_kernel() is not None
 
 
 def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -163,3 +202,60 @@ def prefill_attention(
         )
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the C kernel covers these inputs (it does not do autograd). Runs on every call of
+    every projection, so plain checks, cheapest first."""
+    if (
+        weight.dim() != 2
+        or x.dim() == 0
+        or x.shape[-1] != weight.shape[1]
+        or not 0 < x.numel() <= LINEAR_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]
+        or weight.dtype != x.dtype
+        or not x.is_cpu
+        or not weight.is_cpu
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+    ):
+        return False
+    if bias is not None and (
+        bias.dtype != x.dtype
+        or not bias.is_cpu
+        or bias.shape != (weight.shape[0],)
+        or not bias.is_contiguous()
+    ):
+        return False
+    return not torch.is_grad_enabled() or not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``reference.linear``; in C for at most ``LINEAR_MAX_ROWS[dtype]`` rows of x.
+
+    torch's fp32 GEMV reads the weights at about half the memory bandwidth here, its bf16 one
+    slows down with every extra row; the C kernel reads each weight row once for all rows of x
+    (``linear.c``). More rows, other dtypes or devices, non-contiguous tensors and autograd go to
+    ``F.linear``.
+    """
+    kernel = _linear_kernel() if _linear_native_ok(x, weight, bias) else None
+    if kernel is None:
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.numel() // k
+    y = torch.empty(rows, n, dtype=x.dtype)
+    status = kernel(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        n,
+        k,
+        _NATIVE_DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if status:
+        raise MemoryError("linear: the C kernel could not allocate its scratch memory")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

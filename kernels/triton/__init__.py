@@ -1,11 +1,16 @@
 """CUDA backend: Triton kernels (they also run on CPU tensors under ``TRITON_INTERPRET=1``)."""
 
+from kernels import reference
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
 from kernels.triton.prefill_attention import prefill_attention
 
+# No Triton kernel: F.linear (cuBLAS on CUDA tensors).
+linear = reference.linear
+
 __all__ = [
     "gather_blocks",
+    "linear",
     "paged_decode_attention",
     "prefill_attention",
     "scatter_blocks",

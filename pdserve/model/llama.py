@@ -79,26 +79,29 @@ class Attention(nn.Module):
         self.ops = ops
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
         out = paged_attention(self.ops, q, k, v, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.ops.linear(nn.functional.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, positions, x, kv_cache, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
@@ -125,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -138,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_rows, vocab]
+        return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]
 
 
 # Our parameter -> the Hugging Face tensors stacked into it (dim 0), in order.
