@@ -109,7 +109,10 @@ class PrefillWorker:
             if send is None or send.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 continue
             ids = torch.tensor(seq.block_table[: send.num_blocks], device=k_cache.device)
-            k, v = k_cache.index_select(0, ids), v_cache.index_select(0, ids)
+            # Gather straight into the transport's message buffers: sent without another copy.
+            k, v = send.tx.layer_buffers()
+            torch.index_select(k_cache, 0, ids, out=k)
+            torch.index_select(v_cache, 0, ids, out=v)
             if layer == self._num_layers - 1:
                 send.last_layer = (k, v)  # goes out with the first token, after sampling
                 continue
