@@ -8,36 +8,16 @@ on the same workload, in one run; prints both summaries and their ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdserve.bench_serve import print_summary, run_load  # noqa: E402
-from pdserve.serve_cli import start_process, stop_processes  # noqa: E402
+from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
+from pdserve.bench_serve import print_summary  # noqa: E402
 
-ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
-SETUPS = {
-    "disaggregated": [["prefill", "--threads", "1", "--cpus", "0"], ["decode", "--threads", "1", "--cpus", "1"]],
-    "colocated": [["colocated", "--threads", "2"]],
-}
-
-
-def run_setup(name: str, args) -> dict:
-    procs = []
-    try:
-        gw, address = start_process(["gateway", "--port", "0"], env=ENV)
-        procs.append(gw)
-        for argv in SETUPS[name]:
-            procs.append(start_process([*argv, *COMMON, "--gateway", address], env=ENV)[0])
-        asyncio.run(run_load(address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
-        return asyncio.run(run_load(address, args.requests, args.users, args.rate, args.prompt_words,
-                                    args.output_len, args.seed, 1200))
-    finally:
-        stop_processes(procs)
+SETUPS = {"disaggregated": DISAGGREGATED, "colocated": [["colocated", "--threads", "2"]]}
 
 
 def main() -> None:
@@ -53,7 +33,7 @@ def main() -> None:
     results = {}
     for name in SETUPS:
         print(f"== {name}", flush=True)
-        results[name] = run_setup(name, args)
+        results[name] = run_cluster(SETUPS[name], args)
         print_summary(results[name])
     d, c = results["disaggregated"], results["colocated"]
     print("== disaggregated / colocated")

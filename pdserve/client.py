@@ -36,13 +36,18 @@ class Client:
             req.token_ids.ids.extend(prompt)
         return req
 
-    def generate_stream(self, prompt, params: SamplingParams | None = None,
-                        request_id: str = "") -> Iterator[generation_pb2.GenerateResponse]:
-        """Streamed deltas; prompt is text (raw), token ids, or chat messages [{"role", "content"}]."""
-        return self._stub.Generate(self._request(prompt, params, request_id), timeout=self.timeout)
+    def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str = "",
+                        metadata: tuple[tuple[str, str], ...] = ()) -> Iterator[generation_pb2.GenerateResponse]:
+        """Streamed deltas; prompt is text (raw), token ids, or chat messages [{"role", "content"}].
+        ``metadata`` goes with the call, e.g. ``(("traceparent", "00-<trace>-<span>-01"),)`` to make
+        the request part of the caller's trace."""
+        return self._stub.Generate(self._request(prompt, params, request_id), timeout=self.timeout,
+                                   metadata=metadata)
 
-    def complete(self, prompt, params: SamplingParams | None = None) -> generation_pb2.CompleteResponse:
-        return self._stub.Complete(self._request(prompt, params), timeout=self.timeout)
+    def complete(self, prompt, params: SamplingParams | None = None, request_id: str = "",
+                 metadata: tuple[tuple[str, str], ...] = ()) -> generation_pb2.CompleteResponse:
+        return self._stub.Complete(self._request(prompt, params, request_id), timeout=self.timeout,
+                                   metadata=metadata)
 
     def list_models(self) -> list[str]:
         return [m.id for m in self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout).models]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,12 +29,15 @@ T = TypeVar("T")
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None,
-                 after_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+                 after_step: Callable[[list[RequestOutput]], None] | None = None,
+                 step_seconds: Callable[[float], None] | None = None) -> None:
         """``on_layer`` is passed to every step; ``after_step(outputs)`` runs in the engine thread
-        after each step, before outputs are delivered (the prefill worker sends its final KV there)."""
+        after each step, before outputs are delivered (the prefill worker sends its final KV there);
+        ``step_seconds(s)`` is told how long each step took (a metric)."""
         self.engine = engine
         self._on_layer = on_layer
         self._after_step = after_step
+        self._step_seconds = step_seconds
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,7 +110,10 @@ class EngineLoop:
                     command = _NOTHING
             if not self.engine.has_unfinished_requests():
                 continue
+            started = time.perf_counter()
             outputs = self.engine.step(self._on_layer)
+            if self._step_seconds is not None:
+                self._step_seconds(time.perf_counter() - started)
             self.num_steps += 1
             if self._after_step is not None:
                 self._after_step(outputs)

@@ -18,3 +18,8 @@ def cache_dir() -> Path:
 def kernel_backend() -> str | None:
     """Force a kernel backend ("reference", "cpu", "triton"); None lets the launcher choose."""
     return os.environ.get("PDSERVE_KERNEL_BACKEND") or None
+
+
+def otlp_endpoint() -> str | None:
+    """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

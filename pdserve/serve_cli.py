@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -21,31 +22,65 @@ def engine_config(args) -> EngineConfig:
                                                   max_num_batched_tokens=args.max_num_batched_tokens))
 
 
+def telemetry_config(args, service: str):
+    from pdserve.telemetry import TelemetryConfig
+
+    return TelemetryConfig(service, otlp_endpoint=args.otlp_endpoint, log_format=args.log_format,
+                           log_prompts=args.log_prompts)
+
+
 def cmd_worker(args) -> int:
     from services.main import WorkerOptions, run, serve_worker
 
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    return run(serve_worker(WorkerOptions(role=args.command, engine=engine_config(args), host=args.host,
-                                          port=args.port, gateway=args.gateway, transport=args.transport)))
+    return run(serve_worker(WorkerOptions(
+        role=args.command, engine=engine_config(args), host=args.host, port=args.port, gateway=args.gateway,
+        transport=args.transport, advertise=args.advertise, metrics_port=args.metrics_port,
+        telemetry=telemetry_config(args, args.command))))
 
 
 def cmd_gateway(args) -> int:
     from services.main import GatewayOptions, run, serve_gateway
 
-    return run(serve_gateway(GatewayOptions(model=args.model, host=args.host, port=args.port, policy=args.policy,
-                                            lease_s=args.lease, kv_timeout_s=args.kv_timeout)))
+    return run(serve_gateway(GatewayOptions(
+        model=args.model, host=args.host, port=args.port, policy=args.policy, lease_s=args.lease,
+        kv_timeout_s=args.kv_timeout, metrics_port=args.metrics_port, telemetry=telemetry_config(args, "gateway"))))
 
 
-def start_process(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0
-                  ) -> tuple[subprocess.Popen, str]:
-    """Start ``pdserve <argv>`` and wait for its READY line; returns the process and its address."""
+def cmd_health(args) -> int:
+    """Exit 0 iff the server at ``args.address`` says SERVING (a container health check)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                        timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"pdserve health: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.address}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+class Started(NamedTuple):
+    proc: subprocess.Popen
+    address: str  # gRPC host:port
+    metrics: str  # /metrics host:port, or "-"
+
+
+def start_process(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0,
+                  stderr=None) -> Started:
+    """Start ``pdserve <argv>`` and wait for its READY line."""
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, stderr=stderr)
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         if line.startswith("READY "):
-            return proc, line.split()[2]
+            fields = line.split()
+            return Started(proc, fields[2], fields[3].removeprefix("metrics="))
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -73,12 +108,16 @@ def _cpu_sets(n: int) -> list[str]:
 
 def cmd_up(args) -> int:
     """Gateway + prefill + decode workers on loopback; Ctrl-C stops them all."""
-    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size)]
+    observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])
+    if args.otlp_endpoint:
+        observe += ["--otlp-endpoint", args.otlp_endpoint]
+    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *observe]
     if args.kv_cache_bytes:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     procs: list[subprocess.Popen] = []
     try:
-        gw, address = start_process(["gateway", "--model", args.model, "--port", str(args.port)])
+        gw, address, gw_metrics = start_process(["gateway", "--model", args.model, "--port", str(args.port),
+                                                 "--metrics-port", str(args.metrics_port), *observe])
         procs.append(gw)
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
@@ -88,10 +127,14 @@ def cmd_up(args) -> int:
             if cpu:
                 argv += ["--cpus", cpu]
             starting.append(argv)
+        metrics = [f"gateway {gw_metrics}"]
         for argv in starting:  # each is registered with the gateway once READY
-            procs.append(start_process(argv)[0])
+            started = start_process(argv)
+            procs.append(started.proc)
+            metrics.append(f"{argv[0]} {started.metrics}")
         print(f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
               f"{args.colocated} colocated). Try: pdserve generate --url {address} \"Hello\"", flush=True)
+        print(f"/metrics: {', '.join(metrics)}", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("pdserve up: a process exited; stopping the rest", file=sys.stderr)
@@ -112,6 +155,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--policy", default="least_loaded", help="round_robin or least_loaded")
     gw.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays listed without heartbeat")
     gw.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     for role in ROLES:
         w = sub.add_parser(role, help=f"serve a {role} worker")
@@ -121,6 +165,10 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         w.add_argument("--gateway", default=None, help="register with this gateway (host:port)")
         w.add_argument("--transport", default="ucx", help="KV transport: ucx (default) or loopback")
         w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
+        w.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                       help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
+                            "machine's IP)")
+        _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
     engine_args(up)
@@ -130,4 +178,23 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--colocated", type=int, default=0)
     up.add_argument("--threads-per-worker", type=int, default=1)
     up.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
+    _observability_args(up, metrics_port=0)
     up.set_defaults(func=cmd_up)
+    h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
+    h.add_argument("address", help="host:port")
+    h.add_argument("--service", default="", help="a service name; default: the server as a whole")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=cmd_health)
+
+
+def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
+    from pdserve.telemetry import LOG_FORMATS
+
+    p.add_argument("--metrics-port", type=int, default=metrics_port,
+                   help="serve Prometheus /metrics over HTTP on this port (0 picks one, -1 turns it off)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="export traces over OTLP/gRPC here, e.g. http://localhost:4317 "
+                        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)")
+    p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
+                   help="auto: readable in a terminal, JSON lines otherwise")
+    p.add_argument("--log-prompts", action="store_true", help="let logs contain prompts and outputs (off by default)")

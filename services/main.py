@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from pdserve import rpc
+from pdserve import rpc, telemetry
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.config import ModelConfig
@@ -33,6 +34,9 @@ class WorkerOptions:
     port: int = 0
     gateway: str | None = None  # register with this gateway
     transport: str = "ucx"
+    advertise: str | None = None  # address registered with the gateway; default host:port
+    metrics_port: int = 0  # /metrics over HTTP; 0 picks a port, -1 turns it off
+    telemetry: telemetry.TelemetryConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,27 @@ class GatewayOptions:
     lease_s: float = 10.0
     kv_timeout_s: float = 30.0
     max_model_len: int | None = None
+    metrics_port: int = 0
+    telemetry: telemetry.TelemetryConfig = field(default_factory=lambda: telemetry.TelemetryConfig("gateway"))
 
 
-def _ready(role: str, address: str) -> None:
-    print(f"READY {role} {address}", flush=True)
+def _ready(role: str, address: str, metrics: str) -> None:
+    """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off)."""
+    print(f"READY {role} {address} metrics={metrics}", flush=True)
+
+
+def _serve_metrics(metrics, host: str, port: int) -> str:
+    return "-" if port < 0 else metrics.serve(host, port)
+
+
+def advertised_address(host: str, port: int, advertise: str | None) -> str:
+    """What the gateway should dial: ``advertise`` (its port defaults to ``port``), else host:port,
+    with a wildcard host replaced by this machine's address (a container's IP on its network)."""
+    if advertise:
+        return advertise if ":" in advertise else f"{advertise}:{port}"
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
 
 
 async def _until_signalled() -> None:
@@ -101,11 +122,14 @@ class Registration:
 
 
 async def serve_worker(opts: WorkerOptions) -> None:
+    from pdserve.metrics import WorkerMetrics
     from services.decode.servicer import DecodeServicer
     from services.decode.worker import DecodeWorker
     from services.prefill.servicer import PrefillServicer
     from services.prefill.worker import PrefillWorker
 
+    telemetry.setup(opts.telemetry or telemetry.TelemetryConfig(opts.role))
+    log = telemetry.logger()
     engine = LLMEngine(opts.engine, detokenize=False)
     model_name = resolve_model(opts.engine.model).name
     layout = kv_layout(engine, model_name)
@@ -114,16 +138,21 @@ async def serve_worker(opts: WorkerOptions) -> None:
         from pdserve.transfer import create_transport
 
         transport = create_transport(opts.transport, layout)
+    metrics = WorkerMetrics()
+    sched = engine.scheduler
+    metrics.watch(lambda: len(sched.running), lambda: len(sched.waiting) + len(sched.awaiting_kv),
+                  lambda: engine.allocator.num_free_blocks, engine.allocator.num_blocks)
     if opts.role == "prefill":
-        worker = PrefillWorker(engine, transport)
+        worker = PrefillWorker(engine, transport, metrics)
         server = rpc.Server(["pdserve.v1.Prefill"])
         worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server.server)
     else:
-        worker = DecodeWorker(engine, transport)
+        worker = DecodeWorker(engine, transport, metrics)
         server = rpc.Server(["pdserve.v1.Decode"])
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
     port = server.bind(f"{opts.host}:{opts.port}")
-    address = f"{opts.host}:{port}"
+    address = advertised_address(opts.host, port, opts.advertise)
+    metrics_address = _serve_metrics(metrics, opts.host, opts.metrics_port)
     worker.start(asyncio.get_running_loop())
     await server.start()
     await server.set_serving(True)
@@ -132,7 +161,9 @@ async def serve_worker(opts: WorkerOptions) -> None:
         reg = Registration(opts.gateway, f"{opts.role}-{uuid.uuid4().hex[:8]}", opts.role, address, layout)
         await reg.register()  # READY means: registered, the gateway routes here from now on
         registration = asyncio.create_task(reg.heartbeat_forever())
-    _ready(opts.role, address)
+    _ready(opts.role, address, metrics_address)
+    log.info("worker.ready", role=opts.role, address=address, metrics=metrics_address,
+             kv_blocks=engine.allocator.num_blocks, tracing=telemetry.tracing_enabled())
     try:
         if registration is not None:
             done, _ = await asyncio.wait([registration, asyncio.create_task(_until_signalled())],
@@ -147,6 +178,7 @@ async def serve_worker(opts: WorkerOptions) -> None:
         await server.set_serving(False)
         await server.stop(grace=1.0)
         worker.stop()
+        telemetry.shutdown()
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:
@@ -155,6 +187,7 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     from services.gateway.router import Router
     from services.gateway.servicer import GenerationServicer, RegistryServicer
 
+    telemetry.setup(opts.telemetry)
     folder = resolve_model(opts.model)
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -166,13 +199,17 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
     port = server.bind(f"{opts.host}:{opts.port}")
+    metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
     await server.start()
     await server.set_serving(True)
-    _ready("gateway", f"{opts.host}:{port}")
+    _ready("gateway", f"{opts.host}:{port}", metrics_address)
+    telemetry.logger().info("gateway.ready", address=f"{opts.host}:{port}", metrics=metrics_address,
+                            policy=opts.policy, tracing=telemetry.tracing_enabled())
     try:
         await _until_signalled()
     finally:
         await server.stop(grace=1.0)
+        telemetry.shutdown()
 
 
 def run(coro) -> int:

@@ -66,6 +66,11 @@ class TransferStats:
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
+    def attributes(self) -> dict[str, int | float]:
+        """For a span: what moved, how fast."""
+        return {"transfer_id": self.transfer_id, "bytes": self.nbytes, "seconds": self.seconds,
+                "gbps": self.gbps, "layers": self.num_layers, "messages": self.num_messages}
+
     def __str__(self) -> str:
         return (
             f"transfer {self.transfer_id}: {self.nbytes} bytes in {self.seconds * 1e3:.2f} ms "
@@ -108,6 +113,7 @@ class RecvTransfer:
         self.deadline = time.monotonic() + timeout
         self.future: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
         self.token_id = -1
+        self.traceparent = ""  # of the sender's span, from the first message's header
         self._on_layer = on_layer
         self._scheduler = scheduler
         self._blocks_landed = [0] * self.num_layers
@@ -180,6 +186,8 @@ class RecvTransfer:
         self._nbytes += self.layout.message_nbytes(header.num_blocks)
         if header.token_id >= 0:
             self.token_id = header.token_id
+        if header.traceparent and not self.traceparent:
+            self.traceparent = header.traceparent
         self._blocks_landed[header.layer] += header.num_blocks
         if self._blocks_landed[header.layer] == self.num_blocks:
             self._layers_complete += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve import telemetry
 from pdserve.engine import AdmissionError
 from pdserve.transfer import TransferError, TransferTimeoutError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -30,16 +31,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = list(request.prompt_token_ids)
+        parent = telemetry.from_metadata(context.invocation_metadata())
         if request.prefill_locally:
             try:
-                async for out in self.worker.generate_local(request.request_id, ids, params):
+                async for out in self.worker.generate_local(request.request_id, ids, params, parent):
                     yield token_chunk(out)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else DEFAULT_KV_TIMEOUT_S
         try:
-            adm = await self.worker.admit(request.request_id, ids, params, timeout)
+            adm = await self.worker.admit(request.request_id, ids, params, timeout, parent)
         except AdmissionError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:

@@ -16,10 +16,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine import LLMEngine, RequestOutput
+from pdserve import telemetry
+from pdserve.engine import AdmissionError, LLMEngine, RequestOutput
 from pdserve.engine_loop import EngineLoop
+from pdserve.metrics import WorkerMetrics
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import KVTransport, RecvTransfer, TransferError, scatter_into
+from pdserve.transfer import KVTransport, RecvTransfer, TransferError, TransferStats, scatter_into
 
 
 async def _settled(recv: RecvTransfer) -> None:
@@ -39,14 +41,51 @@ class Admission:
     block_ids: list[int]
     deadline_unix_ms: int
     recv: RecvTransfer
+    parent: telemetry.Context | None = None  # the gateway's request span
+    admitted_ns: int = 0
+    num_prompt_tokens: int = 0
     done: bool = False  # finished, or released
 
 
+class _Generation:
+    """The ``decode.generate`` span and the metrics of one request's tokens on this worker."""
+
+    def __init__(self, worker: DecodeWorker, request_id: str, parent, **attributes) -> None:
+        self.metrics = worker.metrics
+        self.span = telemetry.start_span("decode.generate", parent, {"request_id": request_id, **attributes})
+        self.log = telemetry.request_logger(request_id, self.span)
+        self.started = time.perf_counter()
+        self.num_tokens = 0
+        self.finish_reason = ""
+
+    def add(self, out: RequestOutput) -> None:
+        if out.new_token_ids and not self.num_tokens:
+            self.span.set_attribute("first_token_s", time.perf_counter() - self.started)
+        self.num_tokens += len(out.new_token_ids)
+        self.metrics.generated_tokens.inc(len(out.new_token_ids))
+        self.finish_reason = out.finish_reason or ""
+
+    def close(self, error: BaseException | str | None = None) -> None:
+        self.span.set_attributes({"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason})
+        if error is None and self.finish_reason:
+            self.metrics.request_ended("ok")
+            self.log.info("decode.end", completion_tokens=self.num_tokens, finish_reason=self.finish_reason)
+            telemetry.end_span(self.span)
+            return
+        error = error or "the request ended before it finished (cancelled)"
+        self.metrics.request_ended("cancelled" if isinstance(error, str) else "error")
+        self.log.warning("decode.end", completion_tokens=self.num_tokens, error=str(error))
+        telemetry.end_span(self.span, error)
+
+
 class DecodeWorker:
-    def __init__(self, engine: LLMEngine, transport: KVTransport | None) -> None:
+    def __init__(self, engine: LLMEngine, transport: KVTransport | None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
         self.transport = transport
-        self.loop = EngineLoop(engine)
+        self.metrics = metrics or WorkerMetrics()
+        phase = "decode" if transport is not None else "mixed"
+        self.loop = EngineLoop(engine, step_seconds=self.metrics.step_seconds.labels(phase).observe)
         self._transfer_ids = itertools.count(1)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -58,8 +97,29 @@ class DecodeWorker:
             self.transport.close()
 
     async def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    kv_timeout_s: float) -> Admission:
+                    kv_timeout_s: float, parent: telemetry.Context | None = None) -> Admission:
         """Reserve blocks for the whole request and start receiving its KV; AdmissionError if full."""
+        span = telemetry.start_span("decode.admit", parent, {"request_id": request_id,
+                                                             "prompt_tokens": len(prompt_ids)})
+        try:
+            adm = await self._admit(request_id, prompt_ids, params, kv_timeout_s)
+        except AdmissionError as e:
+            self.metrics.request_ended("resource_exhausted")
+            telemetry.end_span(span, e, "RESOURCE_EXHAUSTED")
+            raise
+        except BaseException as e:
+            self.metrics.request_ended("error")
+            telemetry.end_span(span, e)
+            raise
+        span.set_attributes({"blocks_reserved": len(adm.block_ids), "transfer_id": adm.transfer_id})
+        telemetry.end_span(span)
+        adm.parent = parent
+        adm.num_prompt_tokens = len(prompt_ids)
+        adm.admitted_ns = time.time_ns()
+        return adm
+
+    async def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     kv_timeout_s: float) -> Admission:
         if self.transport is None:
             raise ValueError("this worker has no KV transport; send prefill_locally requests")
         blocks = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
@@ -80,20 +140,47 @@ class DecodeWorker:
         the first from the prefill worker). Any exit before the end frees the request's blocks."""
         rid = adm.request_id
         q = self.loop.open_stream(rid)
+        gen: _Generation | None = None
+        error: BaseException | None = None
         try:
-            # shield: a cancelled request must not cancel the transport's future (release() ends it)
-            await asyncio.shield(asyncio.wrap_future(adm.recv.future))  # TransferError propagates
+            await self._received(adm)
+            gen = _Generation(self, rid, adm.parent, prompt_tokens=adm.num_prompt_tokens)
             first = await self.loop.call(lambda e: e.activate_request(rid, adm.recv.token_id))
             adm.done = first.finished
             first.new_token_ids, first.new_text, first.new_logprobs = [], "", []
+            gen.add(first)
             yield first  # carries only the finish reason if the first token ended the request
             while not adm.done:
                 out = await q.get()
                 adm.done = out.finished
+                gen.add(out)
                 yield out
+        except Exception as e:
+            error = e
+            raise
         finally:
             self.loop.close_stream(rid)
+            if gen is not None:
+                gen.close(error)
             await self.release(adm)
+
+    async def _received(self, adm: Admission) -> TransferStats:
+        """Until the KV has landed; records ``decode.kv_receive`` under the sender's span."""
+        recv = adm.recv
+        try:
+            # shield: a cancelled request must not cancel the transport's future (release() ends it)
+            stats = await asyncio.shield(asyncio.wrap_future(recv.future))  # TransferError propagates
+        except TransferError as e:
+            self.metrics.transfer_failures.labels("recv").inc()
+            self.metrics.request_ended("error")
+            parent = telemetry.from_traceparent(recv.traceparent) or adm.parent
+            telemetry.record_span("decode.kv_receive", parent, adm.admitted_ns, time.time_ns(),
+                                  {"transfer_id": adm.transfer_id, "layers_received": recv.layers_received}, e)
+            raise
+        self.metrics.transfer("recv", stats.nbytes, stats.seconds)
+        telemetry.record_span("decode.kv_receive", telemetry.from_traceparent(recv.traceparent) or adm.parent,
+                              adm.admitted_ns, time.time_ns(), stats.attributes())
+        return stats
 
     async def release(self, adm: Admission) -> None:
         """Free an admitted request that will not finish (cancelled, failed); idempotent. Call it
@@ -106,18 +193,25 @@ class DecodeWorker:
         await _settled(adm.recv)
         await self.loop.call(lambda e: e.abort_request(adm.request_id))
 
-    async def generate_local(self, request_id: str, prompt_ids: list[int],
-                             params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                             parent: telemetry.Context | None = None) -> AsyncIterator[RequestOutput]:
         """Colocated: prefill and decode here, no transfer."""
         q = self.loop.open_stream(request_id)
         finished = False
+        gen = _Generation(self, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True)
+        error: BaseException | None = None
         try:
             await self.loop.call(lambda e: e.add_request(prompt_ids, params, request_id))
             while not finished:
                 out = await q.get()
                 finished = out.finished
+                gen.add(out)
                 yield out
+        except Exception as e:
+            error = e
+            raise
         finally:
             self.loop.close_stream(request_id)
+            gen.close(error)
             if not finished:
                 await self.loop.call(lambda e: e.abort_request(request_id))

@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import telemetry
+from pdserve.metrics import GatewayMetrics
 from pdserve.sampler import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
 from services.convert import logprobs_from_proto, sampling_to_proto
+from services.gateway.accounting import GatewayRequest
 from services.gateway.registry import Worker, WorkerRegistry
 from services.gateway.router import Router
 
@@ -51,14 +54,6 @@ class Delta:
     finish_reason: str = ""
 
 
-@dataclass
-class GatewayStats:
-    requests_ok: int = 0
-    requests_failed: int = 0
-    requests_without_disaggregation: int = 0
-    retries: int = 0
-
-
 class Gateway:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, registry: WorkerRegistry,
                  router: Router, model_name: str, kv_timeout_s: float = 30.0, max_attempts: int = 3,
@@ -73,11 +68,13 @@ class Gateway:
         self.max_attempts = max_attempts
         self.queue_timeout_s = queue_timeout_s
         self._capacity = asyncio.Condition()
-        self.stats = GatewayStats()
+        self.metrics = GatewayMetrics()
         self._ids = itertools.count()
 
-    def new_request_id(self) -> str:
-        return f"gw-{next(self._ids)}"
+    def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
+        """Start accounting for a request (its span continues a traceparent in ``metadata``)."""
+        return GatewayRequest(request_id or f"gw-{next(self._ids)}", telemetry.from_metadata(metadata),
+                              self.metrics, self.model_name, self.router.policy, stream)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -90,20 +87,17 @@ class Gateway:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
+    async def generate(self, req: GatewayRequest, ids: list[int], params: SamplingParams,
                        timeout: float | None = None) -> AsyncIterator[Delta]:
+        """Deltas of ``req`` until one carries a finish reason; GatewayError when it cannot be served."""
         text = TextStream(self.tokenizer, ids, params.stop)
-        try:
-            async for delta in self._route(request_id, ids, params, text, timeout):
-                yield delta
-                if delta.finish_reason:
-                    self.stats.requests_ok += 1
-                    return
-        except GatewayError:
-            self.stats.requests_failed += 1
-            raise
+        async for delta in self._route(req, ids, params, text, timeout):
+            req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
+            yield delta
+            if delta.finish_reason:
+                return
 
-    async def _route(self, rid, ids, params, text: TextStream, timeout) -> AsyncIterator[Delta]:
+    async def _route(self, req: GatewayRequest, ids, params, text: TextStream, timeout) -> AsyncIterator[Delta]:
         tried: set[str] = set()  # failed for this request: not asked again
         full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once capacity frees
         loop = asyncio.get_running_loop()
@@ -112,8 +106,7 @@ class Gateway:
         attempts = 0
         tries = itertools.count()
         while attempts < self.max_attempts:
-            # Each try has its own id on the workers: a cancelled try may still be winding down there.
-            stream = self._pick(f"{rid}.{next(tries)}", ids, params, timeout, tried | full)
+            stream = self._pick(req, next(tries), ids, params, timeout, tried | full)
             if stream is None:
                 if not full:
                     break
@@ -122,9 +115,13 @@ class Gateway:
                 if loop.time() >= give_up_at:
                     raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"every decode worker stayed full for {self.queue_timeout_s:g} s")
-                async with self._capacity:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._capacity.wait(), min(0.25, give_up_at - loop.time()))
+                self.metrics.waiting.inc()
+                try:
+                    async with self._capacity:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._capacity.wait(), min(0.25, give_up_at - loop.time()))
+                finally:
+                    self.metrics.waiting.dec()
                 full.clear()
                 continue
             started = False
@@ -159,35 +156,40 @@ class Gateway:
                     tried.add(e.worker.worker_id)
                     e.worker.failures += 1
                 attempts += 1
-                self.stats.retries += 1
+                self.metrics.retries.inc()
+                req.log.warning("request.retry", error=last_error)
             finally:
                 await stream.aclose()
         raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}")
 
-    def _pick(self, rid, ids, params, timeout, exclude: set[str]):
+    def _pick(self, req: GatewayRequest, attempt: int, ids, params, timeout, exclude: set[str]):
         """The token stream of the next pair to try, or None when no worker is left."""
+        # Each try has its own id on the workers: a cancelled try may still be winding down there.
+        rid = f"{req.request_id}.{attempt}"
+        md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
         if prefill is None:
             local = self.router.pick(self.registry.alive("colocated") + self.registry.alive("decode"), exclude)
             if local is None:
                 return None
-            self.stats.requests_without_disaggregation += 1
-            return self._local(local, rid, ids, params, timeout)
+            req.routed(f"local:{local.role}", local.address, "", attempt)
+            return self._local(local, rid, ids, params, timeout, md)
         decode = self.router.pick(self.registry.alive("decode"), exclude)
         if decode is None:
             return None
-        return self._disaggregated(decode, prefill, rid, ids, params, timeout)
+        req.routed("disaggregated", decode.address, prefill.address, attempt)
+        return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
 
     async def _released(self) -> None:
         async with self._capacity:
             self._capacity.notify_all()
 
-    async def _local(self, worker: Worker, rid, ids, params, timeout):
+    async def _local(self, worker: Worker, rid, ids, params, timeout, md):
         req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(params),
                                        prefill_locally=True)
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
-        call = worker.stub.Generate(req, timeout=timeout)
+        call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         try:
             async for msg in _read(call, worker):
                 c = msg.tokens
@@ -197,14 +199,14 @@ class Gateway:
             call.cancel()
             await self._released()
 
-    async def _disaggregated(self, decode: Worker, prefill: Worker, rid, ids, params, timeout):
+    async def _disaggregated(self, decode: Worker, prefill: Worker, rid, ids, params, timeout, md):
         sampling = sampling_to_proto(params)
         cost = len(ids) + params.max_tokens
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += len(ids)
         call = decode.stub.Generate(worker_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling,
-            kv_timeout_ms=int(self.kv_timeout_s * 1000)), timeout=timeout)
+            kv_timeout_ms=int(self.kv_timeout_s * 1000)), timeout=timeout, metadata=md)
         prefill_done = False
         try:
             reader = _read(call, decode)
@@ -214,7 +216,7 @@ class Gateway:
             try:
                 resp = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                    destination=first.admitted.destination), timeout=timeout or self.kv_timeout_s)
+                    destination=first.admitted.destination), timeout=timeout or self.kv_timeout_s, metadata=md)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()) from None
             finally:

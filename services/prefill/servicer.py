@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from pdserve import telemetry
 from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import logprobs_to_proto, sampling_from_proto
@@ -30,7 +31,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                                 f"decode worker's KV layout {d.compat_hash} differs from this prefill "
                                 f"worker's {self.worker.transport.layout.compat_hash}")
         try:
-            out, stats, overlap = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, dest)
+            out, stats, overlap = await self.worker.prefill(
+                request.request_id, list(request.prompt_token_ids), params, dest,
+                telemetry.from_metadata(context.invocation_metadata()))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except HeaderMismatchError as e:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import telemetry
 from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.engine_loop import EngineLoop
+from pdserve.metrics import WorkerMetrics
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
 from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats
@@ -37,6 +39,9 @@ class _Send:
     num_blocks: int
     last_layer: tuple[torch.Tensor, torch.Tensor] | None = None
     error: BaseException | None = None
+    submitted: float = 0.0  # perf_counter when handed to the engine
+    scheduled: float = 0.0  # perf_counter when its first forward had run layer 0
+    batch_size: int = 0  # prompts in that forward
     first_send: float = 0.0  # perf_counter when layer 0 left
     compute_end: float = 0.0  # perf_counter when sampling ended (the last layer leaves then)
 
@@ -49,10 +54,12 @@ def overlap_fraction(send: _Send, seconds: float) -> float:
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, transport: KVTransport) -> None:
+    def __init__(self, engine: LLMEngine, transport: KVTransport, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
         self.transport = transport
-        self.loop = EngineLoop(engine, on_layer=self._on_layer, after_step=self._after_step)
+        self.metrics = metrics or WorkerMetrics()
+        self.loop = EngineLoop(engine, on_layer=self._on_layer, after_step=self._after_step,
+                               step_seconds=self.metrics.step_seconds.labels("prefill").observe)
         self._sends: dict[str, _Send] = {}
         self._peers: dict[bytes, PeerHandle] = {}
         self._peers_lock = threading.Lock()
@@ -73,16 +80,40 @@ class PrefillWorker:
             return peer
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      dest: Destination) -> tuple[RequestOutput, TransferStats, float]:
+                      dest: Destination, parent: telemetry.Context | None = None
+                      ) -> tuple[RequestOutput, TransferStats, float]:
         """Prefill, ship the KV to ``dest``; returns the first token, the transfer's stats and the
-        share of the transfer that overlapped the model's compute."""
+        share of the transfer that overlapped the model's compute. Traced as ``prefill.prefill``
+        with a ``kv.send`` child; the decode side's ``decode.kv_receive`` continues it through the
+        transfer header."""
+        span = telemetry.start_span("prefill.prefill", parent, {"request_id": request_id,
+                                                                "prompt_tokens": len(prompt_ids)})
+        log = telemetry.request_logger(request_id, span)
+        try:
+            out, stats, overlap = await self._prefill(request_id, prompt_ids, params, dest, span)
+        except BaseException as e:
+            self.metrics.request_ended("cancelled" if isinstance(e, asyncio.CancelledError) else "error")
+            log.warning("prefill.failed", error=str(e) or type(e).__name__)
+            telemetry.end_span(span, e)
+            raise
+        self.metrics.request_ended("ok")
+        self.metrics.generated_tokens.inc()
+        log.info("prefill.done", prompt_tokens=len(prompt_ids), cached_prompt_tokens=out.num_cached_tokens,
+                 kv_bytes=stats.nbytes, kv_gbps=round(stats.gbps, 3))
+        telemetry.end_span(span)
+        return out, stats, overlap
+
+    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       dest: Destination, span: telemetry.Span) -> tuple[RequestOutput, TransferStats, float]:
         self.engine.validate(prompt_ids, params)
         num_prompt_blocks = -(-len(prompt_ids) // self.engine.scheduler.block_size)
         if len(dest.block_ids) != num_prompt_blocks:
             raise ValueError(f"destination has {len(dest.block_ids)} blocks; the prompt fills {num_prompt_blocks}")
+        ctx = telemetry.context_of(span)
         peer = await asyncio.to_thread(self._peer, dest.kv_address)
-        tx = self.transport.start_send(peer, dest.transfer_id, num_prompt_blocks, dest.timeout_s)
-        self._sends[request_id] = _Send(tx, num_prompt_blocks)
+        tx = self.transport.start_send(peer, dest.transfer_id, num_prompt_blocks, dest.timeout_s,
+                                       traceparent=telemetry.traceparent(ctx))
+        send = self._sends[request_id] = _Send(tx, num_prompt_blocks, submitted=time.perf_counter())
         q = self.loop.open_stream(request_id)
         done = False
         try:
@@ -90,11 +121,26 @@ class PrefillWorker:
             await self.loop.call(lambda e: e.add_request(prompt_ids, one, request_id))
             out = await q.get()
             done = True
-            send = self._sends[request_id]
-            if send.error is not None:
-                raise send.error
-            stats = await asyncio.to_thread(tx.wait)
-            return out, stats, overlap_fraction(send, stats.seconds)
+            span.set_attributes({"queue_wait_s": send.scheduled - send.submitted, "batch_size": send.batch_size,
+                                 "forward_s": send.compute_end - send.scheduled,
+                                 "cached_prompt_tokens": out.num_cached_tokens})
+            self.metrics.queue_seconds.observe(send.scheduled - send.submitted)
+            try:
+                if send.error is not None:
+                    raise send.error
+                stats = await asyncio.to_thread(tx.wait)
+            except BaseException as e:
+                self.metrics.transfer_failures.labels("send").inc()
+                now = time.time_ns()
+                telemetry.record_span("kv.send", ctx, telemetry.ns_ago(send.first_send) if send.first_send else now,
+                                      now, {"transfer_id": dest.transfer_id}, e)
+                raise
+            overlap = overlap_fraction(send, stats.seconds)
+            self.metrics.transfer("send", stats.nbytes, stats.seconds)
+            end = time.time_ns()
+            telemetry.record_span("kv.send", ctx, end - int(stats.seconds * 1e9), end,
+                                  {**stats.attributes(), "overlap_fraction": overlap})
+            return out, stats, overlap
         finally:
             self.loop.close_stream(request_id)
             self._sends.pop(request_id, None)
@@ -106,7 +152,11 @@ class PrefillWorker:
     def _on_layer(self, batch: ScheduledBatch, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         for seq, n in batch.prefills:
             send = self._sends.get(seq.request_id)
-            if send is None or send.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
+            if send is None:
+                continue
+            if not send.scheduled:
+                send.scheduled, send.batch_size = time.perf_counter(), len(batch.prefills)
+            if send.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 continue
             ids = torch.tensor(seq.block_table[: send.num_blocks], device=k_cache.device)
             # Gather straight into the transport's message buffers: sent without another copy.

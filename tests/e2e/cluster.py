@@ -19,10 +19,14 @@ class Cluster:
     gateway: str
     workers: dict[str, tuple] = field(default_factory=dict)  # name -> (process, address, role)
     procs: list = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)  # name ("gateway" too) -> /metrics host:port
+    env: dict[str, str] = field(default_factory=dict)
 
-    def start_worker(self, name: str, role: str, *extra: str) -> str:
-        proc, address = start_process([role, "--gateway", self.gateway, *WORKER_ARGS, *extra], env=UCX_ENV)
+    def start_worker(self, name: str, role: str, *extra: str, stderr=None) -> str:
+        proc, address, metrics = start_process([role, "--gateway", self.gateway, *WORKER_ARGS, *extra],
+                                               env={**UCX_ENV, **self.env}, stderr=stderr)
         self.workers[name] = (proc, address, role)
+        self.metrics[name] = metrics
         self.procs.append(proc)
         return address
 
@@ -47,8 +51,9 @@ class Cluster:
         proc.wait()
 
 
-def start_cluster(*gateway_args: str) -> Cluster:
-    proc, address = start_process(["gateway", "--port", "0", *gateway_args])
-    c = Cluster(address)
+def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=None) -> Cluster:
+    proc, address, metrics = start_process(["gateway", "--port", "0", *gateway_args], env=env, stderr=stderr)
+    c = Cluster(address, env=dict(env or {}))
     c.procs.append(proc)
+    c.metrics["gateway"] = metrics
     return c

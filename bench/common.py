@@ -1,0 +1,29 @@
+"""What the serving benchmarks share: a cluster of real processes for the length of one load run."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.bench_serve import run_load
+from pdserve.serve_cli import start_process, stop_processes
+
+ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
+DISAGGREGATED = [["prefill", "--threads", "1", "--cpus", "0"], ["decode", "--threads", "1", "--cpus", "1"]]
+
+
+def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
+    """Start a gateway and ``workers`` (argv each), warm up, run the load ``args`` describe
+    (requests, users, rate, prompt_words, output_len, seed), stop everything; the load's summary."""
+    env = {**ENV, **(env or {})}
+    procs = []
+    try:
+        gw = start_process(["gateway", "--port", "0"], env=env)
+        procs.append(gw.proc)
+        for argv in workers:
+            procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
+        asyncio.run(run_load(gw.address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
+        return asyncio.run(run_load(gw.address, args.requests, args.users, args.rate, args.prompt_words,
+                                    args.output_len, args.seed, 1200))
+    finally:
+        stop_processes(procs)

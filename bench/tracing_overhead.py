@@ -1,0 +1,58 @@
+"""Tracing on against tracing off: throughput of the same disaggregated cluster (1 prefill + 1
+decode, one core each) under a closed loop of users, in alternating rounds within one run.
+
+With tracing on, every process exports OTLP/gRPC to a receiver (pdserve.otlp_sink) running in this
+benchmark's process, on the same machine: the collector's own cost is included, as it would be
+for a sidecar.
+
+    .venv/bin/python bench/tracing_overhead.py --users 32 --requests 96 --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
+from pdserve.otlp_sink import SpanSink  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--users", type=int, default=32)
+    p.add_argument("--rate", type=float, default=None)
+    p.add_argument("--prompt-words", default="64-256")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternating")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    with SpanSink() as sink:
+        for r in range(args.rounds):
+            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint} if mode == "on" else {}
+                s = run_cluster(DISAGGREGATED, args, env)
+                runs[mode].append(s)
+                print(f"round {r} tracing {mode}: {s['output_tokens_per_s']:.1f} output tok/s, "
+                      f"{s['requests_per_s']:.2f} req/s, errors {s['errors']}", flush=True)
+        num_spans = len(sink.spans())
+    tput = {m: statistics.median(s["output_tokens_per_s"] for s in runs[m]) for m in runs}
+    ratio = tput["on"] / tput["off"]
+    print(f"median output tok/s: off {tput['off']:.1f}, on {tput['on']:.1f}: on/off = {ratio:.3f} "
+          f"({(1 - ratio) * 100:+.1f}% drop); {num_spans} spans received")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median_output_tokens_per_s": tput, "on_over_off": ratio, "spans": num_spans,
+                       "runs": {m: [{k: v for k, v in s.items() if k != "per_request"} for s in runs[m]]
+                                for m in runs}}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Prometheus metrics of each service, served as text at ``/metrics`` on ``--metrics-port``.
+
+Every service keeps its metrics in a registry of its own (not the process-wide default), so an
+in-process test can build several. Gauges that mirror engine state (running and waiting requests,
+KV blocks) are read at scrape time from the engine: the numbers are plain int reads.
+
+    gateway   pdserve_requests_total{outcome}            ok, or the gRPC status code (lower case)
+              pdserve_requests_without_disaggregation_total   served by a colocated/decode-only worker
+              pdserve_retries_total, pdserve_{prompt,completion}_tokens_total
+              pdserve_ttft_seconds, pdserve_tpot_seconds, pdserve_itl_seconds, pdserve_queue_seconds
+              pdserve_requests_running, pdserve_requests_waiting
+    workers   pdserve_requests_total{outcome}, pdserve_generated_tokens_total
+              pdserve_queue_seconds, pdserve_step_seconds{phase}
+              pdserve_kv_transfer_seconds{direction}, pdserve_kv_transfer_bytes{direction}
+              pdserve_kv_transfer_failures_total{direction}
+              pdserve_requests_running, pdserve_requests_waiting, pdserve_kv_blocks{state}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BYTES_BUCKETS = tuple(float(4 ** i * 1024) for i in range(1, 11))  # 4 KiB .. 1 GiB
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "Requests ended, by outcome: ok or the gRPC status code",
+                                ["outcome"], registry=self.registry)
+        self.queue_seconds = Histogram("pdserve_queue_seconds", "Seconds a request waited before it was served",
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.running = Gauge("pdserve_requests_running", "Requests being served", registry=self.registry)
+        self.waiting = Gauge("pdserve_requests_waiting", "Requests queued, not yet served", registry=self.registry)
+
+    def request_ended(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (0 picks a port); returns the address."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"{host}:{server.server_port}"
+
+
+class GatewayMetrics(_Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.without_disaggregation = Counter(
+            "pdserve_requests_without_disaggregation",
+            "Requests served by a colocated or decode-only worker because no prefill worker could take them",
+            registry=r)
+        self.retries = Counter("pdserve_retries", "Tries of a request on another worker pair", registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests served", registry=r)
+        self.completion_tokens = Counter("pdserve_completion_tokens", "Tokens streamed to clients", registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, at the gateway",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first, per request",
+                              buckets=STEP_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_itl_seconds", "Time between two streamed tokens",
+                             buckets=STEP_BUCKETS, registry=r)
+
+
+class WorkerMetrics(_Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens sampled by this worker", registry=r)
+        self.step_seconds = Histogram("pdserve_step_seconds", "Seconds of one engine step (a batched forward)",
+                                      ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Seconds of one request's KV transfer",
+                                          ["direction"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Histogram("pdserve_kv_transfer_bytes", "Bytes of one request's KV transfer",
+                                        ["direction"], buckets=BYTES_BUCKETS, registry=r)
+        self.transfer_failures = Counter("pdserve_kv_transfer_failures", "KV transfers that failed",
+                                         ["direction"], registry=r)
+        self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["state"], registry=r)
+
+    def watch(self, num_running: Callable[[], int], num_waiting: Callable[[], int],
+              num_free_blocks: Callable[[], int], num_total_blocks: int) -> None:
+        """Read these at every scrape."""
+        self.running.set_function(num_running)
+        self.waiting.set_function(num_waiting)
+        self.kv_blocks.labels("free").set_function(num_free_blocks)
+        self.kv_blocks.labels("used").set_function(lambda: num_total_blocks - num_free_blocks())
+
+    def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.transfer_seconds.labels(direction).observe(seconds)
+        self.transfer_bytes.labels(direction).observe(nbytes)

@@ -1,0 +1,97 @@
+"""One request as the gateway sees it: its root span, its log lines and its latency metrics.
+
+    open ──> routed (router.pick span per try) ──> tokens ... ──> close(outcome)
+    TTFT = first tokens - open;  ITL = gap between streamed tokens;  TPOT = (last - first) / (n - 1)
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pdserve import telemetry
+from pdserve.metrics import GatewayMetrics
+
+
+class GatewayRequest:
+    def __init__(self, request_id: str, parent: telemetry.Context | None, metrics: GatewayMetrics,
+                 model: str, policy: str, stream: bool) -> None:
+        self.request_id = request_id
+        self.metrics = metrics
+        self.policy = policy
+        self.span = telemetry.start_span("gateway.generate", parent,
+                                         {"request_id": request_id, "model": model, "stream": stream})
+        self.ctx = telemetry.context_of(self.span)
+        self.log = telemetry.request_logger(request_id, self.span)
+        self.opened = time.perf_counter()
+        self.first: float | None = None
+        self.last = 0.0
+        self.num_tokens = 0
+        self.num_prompt_tokens = 0
+        self.finish_reason = ""
+        self.text: list[str] = []  # kept only when prompts and outputs may be logged
+        self._closed = False
+        metrics.running.inc()
+
+    def prepared(self, prompt_ids: list[int], max_tokens: int, prompt_text: str | None) -> None:
+        self.num_prompt_tokens = len(prompt_ids)
+        self.span.set_attributes({"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens})
+        extra = {"prompt": prompt_text} if telemetry.log_prompts() and prompt_text is not None else {}
+        self.log.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens, **extra)
+
+    def routed(self, mode: str, decode: str, prefill: str, attempt: int) -> None:
+        """Record one routing decision as a ``router.pick`` span (it takes no measurable time)."""
+        now = time.time_ns()
+        telemetry.record_span("router.pick", self.ctx, now, now, {
+            "policy": self.policy, "mode": mode, "decode": decode, "prefill": prefill, "attempt": attempt})
+        if attempt == 0:
+            self.metrics.queue_seconds.observe(time.perf_counter() - self.opened)
+        if mode != "disaggregated":
+            self.metrics.without_disaggregation.inc()
+        self.span.set_attributes({"mode": mode, "decode_worker": decode, "prefill_worker": prefill,
+                                  "attempts": attempt + 1})
+        self.log.info("request.routed", mode=mode, decode=decode, prefill=prefill, attempt=attempt)
+
+    def tokens(self, n: int, text: str, finish_reason: str) -> None:
+        if n:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.observe(now - self.opened)
+            else:
+                for _ in range(n):
+                    self.metrics.itl.observe((now - self.last) / n)
+            self.last = now
+            self.num_tokens += n
+        if telemetry.log_prompts():
+            self.text.append(text)
+        self.finish_reason = finish_reason or self.finish_reason
+
+    def close(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
+        """End the request: ``code`` None for success, else the status the client gets."""
+        if self._closed:
+            return
+        self._closed = True
+        m = self.metrics
+        m.running.dec()
+        outcome = "ok" if code is None else code.name.lower()
+        m.request_ended(outcome)
+        attrs = {"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason, "outcome": outcome}
+        if self.first is not None:
+            attrs["ttft_s"] = self.first - self.opened
+        if self.num_tokens > 1:
+            attrs["tpot_s"] = (self.last - self.first) / (self.num_tokens - 1)
+        if code is None:
+            m.prompt_tokens.inc(self.num_prompt_tokens)
+            m.completion_tokens.inc(self.num_tokens)
+            if "tpot_s" in attrs:
+                m.tpot.observe(attrs["tpot_s"])
+        self.span.set_attributes(attrs)
+        extra = {"output": "".join(self.text)} if telemetry.log_prompts() else {}
+        if code is None:
+            self.log.info("request.end", **attrs, **extra)
+            telemetry.end_span(self.span)
+        else:
+            self.log.warning("request.end", **attrs, error=message, **extra)
+            telemetry.end_span(self.span, message, code.name)
