@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 from pdserve.bench_serve import run_load
@@ -27,3 +28,16 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
                                     args.output_len, args.seed, 1200))
     finally:
         stop_processes(procs)
+
+
+def load_parser(requests: int, users: int, prompt_words: str, output_len: int) -> argparse.ArgumentParser:
+    """The load options both serving benchmarks take, with their own defaults."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--users", type=int, default=users)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead of users")
+    p.add_argument("--prompt-words", default=prompt_words)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p

@@ -7,29 +7,20 @@ on the same workload, in one run; prints both summaries and their ratios.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
+from bench.common import DISAGGREGATED, load_parser, run_cluster  # noqa: E402
 from pdserve.bench_serve import print_summary  # noqa: E402
 
 SETUPS = {"disaggregated": DISAGGREGATED, "colocated": [["colocated", "--threads", "2"]]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--users", type=int, default=16)
-    p.add_argument("--rate", type=float, default=None)
-    p.add_argument("--prompt-words", default="0.9:64-256,0.1:2000")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = load_parser(requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128).parse_args()
     results = {}
     for name in SETUPS:
         print(f"== {name}", flush=True)

@@ -10,7 +10,6 @@ for a sidecar.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,20 +17,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
+from bench.common import DISAGGREGATED, load_parser, run_cluster  # noqa: E402
 from pdserve.otlp_sink import SpanSink  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--users", type=int, default=32)
-    p.add_argument("--rate", type=float, default=None)
-    p.add_argument("--prompt-words", default="64-256")
-    p.add_argument("--output-len", type=int, default=32)
+    p = load_parser(requests=96, users=32, prompt_words="64-256", output_len=32)
     p.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternating")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     with SpanSink() as sink:
