@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 from pdserve.bench_serve import run_load
 from pdserve.serve_cli import start_process, stop_processes
@@ -24,10 +25,24 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
         for argv in workers:
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
         asyncio.run(run_load(gw.address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
-        return asyncio.run(run_load(gw.address, args.requests, args.users, args.rate, args.prompt_words,
-                                    args.output_len, args.seed, 1200))
+        cpu = cpu_seconds(procs)
+        summary = asyncio.run(run_load(gw.address, args.requests, args.users, args.rate, args.prompt_words,
+                                       args.output_len, args.seed, 1200))
+        summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu
+        return summary
     finally:
         stop_processes(procs)
+
+
+def cpu_seconds(procs) -> float:
+    """User + system CPU seconds the processes have used so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in procs:
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
 
 
 def load_parser(requests: int, users: int, prompt_words: str, output_len: int) -> argparse.ArgumentParser:
