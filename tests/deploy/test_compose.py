@@ -1,14 +1,17 @@
-"""compose.yaml agrees with the CLI, and validates with a compose client where one exists.
+"""compose.yaml and the Dockerfile agree with the CLI, and compose validates them where it exists.
 
 The cluster itself is brought up for real by scripts/compose-e2e (root and a Docker engine; not
 part of this suite)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -18,15 +21,17 @@ from pdserve.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 OVERRIDE = ROOT / "deploy" / "compose.e2e.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
 ROLES = ("gateway", "prefill", "decode")
+WORKERS = ("prefill", "decode")
 
 
 class _ComposeLoader(yaml.SafeLoader):
-    """Also reads compose's merge tags (!reset, !override) as plain values."""
+    """Also reads compose's merge tags (!reset, !override) as the plain values they carry."""
 
 
 for _tag in ("!reset", "!override"):
-    _ComposeLoader.add_multi_constructor(_tag, lambda loader, _suffix, node: (
+    _ComposeLoader.add_constructor(_tag, lambda loader, node: (
         loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
         else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else None))
 
@@ -35,10 +40,20 @@ def _services(path: Path = COMPOSE) -> dict:
     return yaml.load(path.read_text(), Loader=_ComposeLoader)["services"]
 
 
-def _args(service: dict):
-    cmd = service["command"]
+def _parse(cmd: list[str]):
     assert cmd[0] == "pdserve", cmd
-    return build_parser().parse_args(cmd[1:])  # exits (SystemExit) on a flag the CLI does not have
+    return build_parser().parse_args(cmd[1:])  # SystemExit on a flag or value the CLI does not take
+
+
+def _args(service: dict):
+    return _parse(service["command"])
+
+
+def _health_target(service: dict) -> str:
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "pdserve", "health"], test
+    assert _parse(test[1:]).command == "health"
+    return test[3]
 
 
 def test_each_role_runs_its_own_command_with_flags_the_cli_accepts():
@@ -49,48 +64,106 @@ def test_each_role_runs_its_own_command_with_flags_the_cli_accepts():
         assert args.host == "0.0.0.0", f"{role} must listen beyond the container's loopback"
         assert args.log_format == "json"
         assert args.metrics_port == 9400
+    for role in WORKERS:
+        args = _args(services[role])
+        assert args.threads == 1
+        assert args.kv_cache_bytes == 256 << 20
+        assert args.transport == "ucx"
+        # Replicas must not share a fixed advertised address: each registers its container's IP.
+        assert args.advertise is None
 
 
-def test_ports_and_addresses_match_the_commands():
+def test_ports_health_checks_and_addresses_match_the_commands():
     s = _services()
     gateway = _args(s["gateway"])
     # The gateway's port is the one published and health-checked; the workers dial it by service name.
-    assert [p.split(":")[-1] for p in s["gateway"]["ports"]] == [str(gateway.port)]
-    assert s["gateway"]["healthcheck"]["test"] == ["CMD", "pdserve", "health", f"127.0.0.1:{gateway.port}"]
-    for role in ("prefill", "decode"):
+    assert s["gateway"]["ports"] == [f"{gateway.port}:{gateway.port}"]
+    assert _health_target(s["gateway"]) == f"127.0.0.1:{gateway.port}"
+    for role in WORKERS:
         worker = _args(s[role])
+        assert worker.port != 0, f"{role} needs a fixed port for its health check"
         assert worker.gateway == f"gateway:{gateway.port}"
-        assert s[role]["healthcheck"]["test"] == ["CMD", "pdserve", "health", f"127.0.0.1:{worker.port}"]
-        assert "ports" not in s[role], f"{role} is internal: nothing published"
+        assert _health_target(s[role]) == f"127.0.0.1:{worker.port}"
+        assert "ports" not in s[role] and "container_name" not in s[role], f"{role} must stay scalable and internal"
         assert s[role]["depends_on"]["gateway"]["condition"] == "service_healthy"
-        assert s[role]["environment"]["UCX_TLS"] == "tcp"
+        assert s[role]["environment"]["UCX_TLS"] == "tcp", "shared memory does not cross containers"
+    assert s["gateway"]["depends_on"]["jaeger"]["condition"] == "service_healthy"
     assert all(s[name].get("init") is True for name in s), "every service needs init: true"
+    assert all("healthcheck" in s[name] for name in s), "every service needs a health check"
 
 
-def test_traces_go_to_the_jaeger_service_otlp_port():
+def test_traces_go_to_the_jaeger_service_otlp_grpc_port():
     s = _services()
-    assert "16686:16686" in s["jaeger"]["ports"]
+    assert s["jaeger"]["image"].startswith("jaegertracing/jaeger:2.")
+    assert s["jaeger"]["ports"] == ["16686:16686"], "only the UI is published"
     for role in ROLES:
-        assert s[role]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-    override = _services(OVERRIDE)["jaeger"]
-    assert override["command"][:3] == ["python", "-m", "pdserve.otlp_sink"]
-    assert override["command"][override["command"].index("--port") + 1] == "4317"
+        endpoint = urlsplit(s[role]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert (endpoint.hostname, endpoint.port) == ("jaeger", 4317)
+        assert _args(s[role]).otlp_endpoint is None, "one place for the endpoint: the environment"
+    # In the e2e override the OTLP receiver takes Jaeger's name and port.
+    sink = _services(OVERRIDE)["jaeger"]
+    assert sink["command"][:3] == ["python", "-m", "pdserve.otlp_sink"]
+    assert sink["command"][sink["command"].index("--port") + 1] == "4317"
+    assert "4317" in " ".join(sink["healthcheck"]["test"])
 
 
-def _compose_client() -> list[str] | None:
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
+def test_e2e_override_publishes_the_gateway_on_loopback_only():
+    s = _services(OVERRIDE)
+    gateway_port = _args(_services()["gateway"]).port
+    [published] = s["gateway"]["ports"]
+    assert published.startswith("127.0.0.1:") and published.endswith(f":{gateway_port}")
+    assert s["jaeger"]["ports"] == []
+    assert set(s) == {"jaeger", "gateway"}, "the workers run exactly as in compose.yaml"
+
+
+def test_the_image_default_command_and_ports_match_compose():
+    text = DOCKERFILE.read_text()
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    args = _parse(cmd)
+    assert (args.command, args.host, args.port) == ("gateway", "0.0.0.0", _args(_services()["gateway"]).port)
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
+    s = _services()
+    assert exposed == {_args(s[r]).port for r in ROLES} | {_args(s[r]).metrics_port for r in ROLES}
+    # The model is baked in where the CLI looks for it: PDSERVE_CACHE_DIR, set in the runtime stage.
+    runtime = text.rsplit("\nFROM ", 1)[1]
+    assert "PDSERVE_CACHE_DIR=/var/cache/pdserve" in runtime
+    assert "COPY --from=build /var/cache/pdserve /var/cache/pdserve" in runtime
+
+
+def _compose_v2() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
     return None
 
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, OVERRIDE]], ids=["compose", "compose+e2e"])
 def test_compose_config_validates(files, tmp_path):
-    client = _compose_client()
+    client = _compose_v2()
     if client is None:
-        pytest.skip("no compose client here (docker compose or docker-compose)")
+        # docker-compose v1 reads neither the top-level name nor !reset/!override: v2 or nothing.
+        pytest.skip("no compose v2 client here (`docker compose`)")
     argv = [*client, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
-    env = {**os.environ, "E2E_SPANS_DIR": str(tmp_path)}
-    result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    env = {**os.environ, "E2E_SPANS_DIR": str(tmp_path), "E2E_BUILD_CONTEXT": str(tmp_path),
+           "DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_compose_merges_the_e2e_override_as_intended(tmp_path):
+    client = _compose_v2()
+    if client is None:
+        pytest.skip("no compose v2 client here (`docker compose`)")
+    env = {**os.environ, "E2E_SPANS_DIR": str(tmp_path), "E2E_BUILD_CONTEXT": str(tmp_path / "ctx"),
+           "E2E_GATEWAY_PORT": "50999", "DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    argv = [*client, "-f", str(COMPOSE), "-f", str(OVERRIDE), "config", "--format", "json"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout)["services"]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in s["gateway"]["ports"]] == [("127.0.0.1", "50999", 50051)]
+    assert "ports" not in s["jaeger"] or s["jaeger"]["ports"] == []
+    assert "JAEGER_LISTEN_HOST" not in (s["jaeger"].get("environment") or {})
+    assert s["jaeger"]["image"] == "pdserve:latest"
+    assert s["gateway"]["build"]["context"] == str(tmp_path / "ctx")
+    assert s["gateway"]["build"]["args"]["BASE_IMAGE"] == "local/pdserve-python-base"
+    assert s["decode"]["command"] == _services()["decode"]["command"]
