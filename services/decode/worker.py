@@ -50,8 +50,8 @@ class Admission:
 class _Generation:
     """The ``decode.generate`` span and the metrics of one request's tokens on this worker."""
 
-    def __init__(self, worker: DecodeWorker, request_id: str, parent, **attributes) -> None:
-        self.metrics = worker.metrics
+    def __init__(self, metrics: WorkerMetrics, request_id: str, parent, **attributes) -> None:
+        self.metrics = metrics
         self.span = telemetry.start_span("decode.generate", parent, {"request_id": request_id, **attributes})
         self.log = telemetry.request_logger(request_id, self.span)
         self.started = time.perf_counter()
@@ -102,7 +102,7 @@ class DecodeWorker:
         span = telemetry.start_span("decode.admit", parent, {"request_id": request_id,
                                                              "prompt_tokens": len(prompt_ids)})
         try:
-            adm = await self._admit(request_id, prompt_ids, params, kv_timeout_s)
+            adm = await self._admit(request_id, prompt_ids, params, kv_timeout_s, parent)
         except AdmissionError as e:
             self.metrics.request_ended("resource_exhausted")
             telemetry.end_span(span, e, "RESOURCE_EXHAUSTED")
@@ -113,13 +113,10 @@ class DecodeWorker:
             raise
         span.set_attributes({"blocks_reserved": len(adm.block_ids), "transfer_id": adm.transfer_id})
         telemetry.end_span(span)
-        adm.parent = parent
-        adm.num_prompt_tokens = len(prompt_ids)
-        adm.admitted_ns = time.time_ns()
         return adm
 
     async def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     kv_timeout_s: float) -> Admission:
+                     kv_timeout_s: float, parent: telemetry.Context | None) -> Admission:
         if self.transport is None:
             raise ValueError("this worker has no KV transport; send prefill_locally requests")
         blocks = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
@@ -133,7 +130,8 @@ class DecodeWorker:
             await self.loop.call(lambda e: e.abort_request(request_id))
             raise
         deadline_ms = int((time.time() + kv_timeout_s) * 1000)
-        return Admission(request_id, transfer_id, blocks, deadline_ms, recv)
+        return Admission(request_id, transfer_id, blocks, deadline_ms, recv, parent=parent,
+                         admitted_ns=time.time_ns(), num_prompt_tokens=len(prompt_ids))
 
     async def stream(self, adm: Admission) -> AsyncIterator[RequestOutput]:
         """Wait for the KV, then yield outputs from the second token on (the gateway already has
@@ -144,7 +142,7 @@ class DecodeWorker:
         error: BaseException | None = None
         try:
             await self._received(adm)
-            gen = _Generation(self, rid, adm.parent, prompt_tokens=adm.num_prompt_tokens)
+            gen = _Generation(self.metrics, rid, adm.parent, prompt_tokens=adm.num_prompt_tokens)
             first = await self.loop.call(lambda e: e.activate_request(rid, adm.recv.token_id))
             adm.done = first.finished
             first.new_token_ids, first.new_text, first.new_logprobs = [], "", []
@@ -173,13 +171,10 @@ class DecodeWorker:
         except TransferError as e:
             self.metrics.transfer_failures.labels("recv").inc()
             self.metrics.request_ended("error")
-            parent = telemetry.from_traceparent(recv.traceparent) or adm.parent
-            telemetry.record_span("decode.kv_receive", parent, adm.admitted_ns, time.time_ns(),
-                                  {"transfer_id": adm.transfer_id, "layers_received": recv.layers_received}, e)
+            _record_receive(adm, {"transfer_id": adm.transfer_id, "layers_received": recv.layers_received}, e)
             raise
         self.metrics.transfer("recv", stats.nbytes, stats.seconds)
-        telemetry.record_span("decode.kv_receive", telemetry.from_traceparent(recv.traceparent) or adm.parent,
-                              adm.admitted_ns, time.time_ns(), stats.attributes())
+        _record_receive(adm, stats.attributes())
         return stats
 
     async def release(self, adm: Admission) -> None:
@@ -198,7 +193,7 @@ class DecodeWorker:
         """Colocated: prefill and decode here, no transfer."""
         q = self.loop.open_stream(request_id)
         finished = False
-        gen = _Generation(self, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True)
+        gen = _Generation(self.metrics, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True)
         error: BaseException | None = None
         try:
             await self.loop.call(lambda e: e.add_request(prompt_ids, params, request_id))
@@ -215,3 +210,10 @@ class DecodeWorker:
             gen.close(error)
             if not finished:
                 await self.loop.call(lambda e: e.abort_request(request_id))
+
+
+def _record_receive(adm: Admission, attributes: dict, error: BaseException | None = None) -> None:
+    """``decode.kv_receive``, from admission until now, under the sender's span (from the KV
+    header) when a message arrived, else under the request's."""
+    parent = telemetry.from_traceparent(adm.recv.traceparent) or adm.parent
+    telemetry.record_span("decode.kv_receive", parent, adm.admitted_ns, time.time_ns(), attributes, error)
