@@ -137,3 +137,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     when only a few rows of x (decode tokens) multiply them.
     """
     return F.linear(x, weight, bias)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` ``[..., N]``, or first ``residual = residual + x`` and the norm of that.
+
+    Returns ``(weight * norm, residual)``; ``residual`` is ``x`` when none was given, so a layer
+    can always pass the second result on. Backends may update ``residual`` in place. As Hugging
+    Face's LlamaRMSNorm: the norm in fp32, cast back, then times the weight in x's dtype.
+    """
+    if residual is not None:
+        x = residual + x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q and k, then k and v into their KV-cache slots.
+
+    qkv ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` (q, k, v side by side, as the
+    fused projection makes them); cos/sin ``[max_positions, head_dim]`` fp32 tables (rotate-half
+    convention, cast to qkv's dtype before use, as Hugging Face does); positions and slot_mapping
+    ``[num_tokens]``. Returns the rotated q ``[num_tokens, num_heads, head_dim]``. Backends may
+    rotate in place.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    c = cos[positions].to(qkv.dtype)[:, None, :]
+    s = sin[positions].to(qkv.dtype)[:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(gate) * up`` where gate_up ``[..., 2 * I]`` holds gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -13,7 +13,7 @@ from pdserve.config import CacheConfig
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
-from pdserve.model.llama import LlamaForCausalLM, load_hf_state_dict
+from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
 from pdserve.model.weights import load_state_dict
 from pdserve.sampler import TokenLogprobs, sample
 from pdserve.scheduler import ScheduledBatch
@@ -27,7 +27,11 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
                max_positions: int) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    for module in model.modules():  # the rope tables stay fp32 (rounded to the dtype at use)
+        if isinstance(module, RotaryEmbedding):
+            module.float()
+    return model
 
 
 @dataclass

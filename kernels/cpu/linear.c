@@ -205,6 +205,121 @@ static void rows(const Problem *p, int64_t n0, int64_t n1, float *wbuf) {
     }
 }
 
+#if LINEAR_SIMD && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/*
+ * bf16 on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later): vdpbf16ps multiplies 32
+ * bf16 pairs and adds them into 16 fp32 lanes in one instruction, so nothing is widened. A tile
+ * is 4 weight rows against up to 4 rows of x: 16 accumulators of 16 partial sums each (every
+ * 32nd element of K); a K tail is a masked load. The 16 are reduced together by a tree of lane
+ * shuffles (reduce16), which leaves y's 4 x 4 outputs in one register, row after row, to round to
+ * bf16 in one instruction (vcvtneps2bf16: nearest even, as torch rounds).
+ *
+ * Measured on a 2-core Zen 4 (all of the default model's projections, 269 MB of bf16 weights,
+ * 2 threads): at 4-64 rows as fast as oneDNN with pre-packed weights and 1.4-2x torch's
+ * F.linear; at 1-2 rows the fp32 path above streams the weights faster (~26 vs ~22 GB/s), so
+ * pdserve_linear sends those there.
+ */
+#define LINEAR_BF16_NATIVE 1
+#define NATIVE_MIN_ROWS 3
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* z[4 * c + r] = sum of every lane of a[4 * r + c], for c, r < 4. */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 s[8], u[4], x[2];
+    UNROLL for (int i = 0; i < 8; i++) /* 512 -> 256 bits: [p0+p2, p1+p3, q0+q2, q1+q3] */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    UNROLL for (int i = 0; i < 4; i++) /* 256 -> 128: 128-bit lane l of u[j] sums a[4j + l] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    UNROLL for (int i = 0; i < 2; i++) /* 128 -> 64, within lanes */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
+                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]));
+    return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+
+static inline __m512bh load32bh(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* One K step of a tile: acc[4 * r + c] += x[c, k:k+32] . w[r, k:k+32] (masked). */
+static inline __attribute__((always_inline)) void step_bf16(const uint16_t *x,
+                                                            const uint16_t *w, int64_t K,
+                                                            int64_t k, int nc, int nr,
+                                                            __mmask32 mask, __m512 acc[16]) {
+    __m512bh xv[4], wv[4];
+    UNROLL for (int c = 0; c < nc; c++) xv[c] = load32bh(x + c * K + k, mask);
+    UNROLL for (int r = 0; r < nr; r++) wv[r] = load32bh(w + r * K + k, mask);
+    UNROLL for (int r = 0; r < nr; r++)
+        UNROLL for (int c = 0; c < nc; c++)
+            acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], xv[c], wv[r]);
+}
+
+/*
+ * out[4 * c + r] = x[c] . w[r] for c < nc rows of x and r < nr rows of w (row stride K both);
+ * the others are 0. While it runs, as many bytes at `next` as it reads of w are prefetched.
+ */
+static inline __attribute__((always_inline)) __m512 tile_dot_bf16(const uint16_t *x,
+                                                                  const uint16_t *w, int64_t K,
+                                                                  int nc, int nr,
+                                                                  const char *next) {
+    __m512 acc[16];
+    UNROLL for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        step_bf16(x, w, K, k, nc, nr, ~(__mmask32)0, acc);
+        if (next) UNROLL for (int b = 0; b < 4 * 64; b += 64) _mm_prefetch(next + k * 8 + b, _MM_HINT_T0);
+    }
+    if (k < K) step_bf16(x, w, K, k, nc, nr, (__mmask32)((1ull << (K - k)) - 1), acc);
+    return reduce16(acc);
+}
+
+static __m512 tile_dot_bf16_any(const uint16_t *x, const uint16_t *w, int64_t K, int nc, int nr,
+                                const char *next) {
+#define CASE(NC, NR)                                                                           \
+    if (nc == NC && nr == NR) return tile_dot_bf16(x, w, K, NC, NR, next);
+#define CASES(NC) CASE(NC, 4) CASE(NC, 3) CASE(NC, 2) CASE(NC, 1)
+    CASES(4) CASES(3) CASES(2) CASES(1)
+#undef CASES
+#undef CASE
+    return _mm512_setzero_ps();
+}
+
+/* Rows n0 .. n1-1 of y^T, for bf16 x, w, bias and y. */
+/* Every pass over the tile prefetches the next one (not only the first: measured 1.2x quicker
+ * at 16-32 rows; the lines are in cache after the first pass, so the rest cost little). */
+static void rows_bf16(const Problem *p, int64_t n0, int64_t n1) {
+    const uint16_t *x = (const uint16_t *)p->x, *w = p->w, *bias = p->bias;
+    uint16_t *y = p->y;
+    const int64_t K = p->K;
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int nr = n1 - n < 4 ? (int)(n1 - n) : 4;
+        const uint16_t *tile = w + n * K;
+        const char *next = n + 8 <= n1 ? (const char *)(tile + 4 * K) : NULL;
+        __m512 b = _mm512_setzero_ps();
+        if (bias) {
+            float bf[4] = {0};
+            for (int r = 0; r < nr; r++) bf[r] = bf16_to_f32(bias[n + r]);
+            b = _mm512_broadcast_f32x4(_mm_loadu_ps(bf)); /* [b0 b1 b2 b3] x 4 rows */
+        }
+        for (int64_t m = 0; m < p->M; m += 4) {
+            const int nc = p->M - m < 4 ? (int)(p->M - m) : 4;
+            const __m512 z = tile_dot_bf16_any(x + m * K, tile, K, nc, nr, next);
+            uint64_t out[4]; /* row c of the tile: 4 bf16 */
+            _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(z, b)));
+            for (int c = 0; c < nc; c++) memcpy(y + (m + c) * p->N + n, &out[c], 2 * (size_t)nr);
+        }
+    }
+}
+#else
+#define LINEAR_BF16_NATIVE 0
+#endif
+
+/* 1 if bf16 runs on AVX512-BF16 instructions (no widening to fp32). */
+int pdserve_linear_bf16_native(void) { return LINEAR_BF16_NATIVE; }
+
 /* 1 if the kernel was built with its AVX2 path, 0 for the plain C fallback. */
 int pdserve_linear_simd(void) { return LINEAR_SIMD; }
 
@@ -216,14 +331,19 @@ int pdserve_linear_simd(void) { return LINEAR_SIMD; }
 int pdserve_linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
                    int64_t K, int32_t dtype, int32_t num_threads) {
     const int bf16 = dtype == BF16;
+#if LINEAR_BF16_NATIVE
+    const int native = bf16 && M >= NATIVE_MIN_ROWS; /* bf16 x read as it is, no widening */
+#else
+    const int native = 0;
+#endif
     if (M <= 0 || N <= 0) return 0;
     float *xf = NULL;
-    if (bf16) {
+    if (bf16 && !native) {
         xf = malloc((size_t)(M * K) * sizeof *xf + 1);
         if (!xf) return -1;
         widen(x, M * K, xf);
     }
-    const Problem p = {bf16 ? xf : (const float *)x, w, bias, y, M, N, K, bf16};
+    const Problem p = {xf ? xf : (const float *)x, w, bias, y, M, N, K, bf16};
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
     /* chunks of whole tiles: CHUNK_BYTES of weights, but at least 4 chunks per thread */
     const int64_t tiles = (N + R - 1) / R;
@@ -237,14 +357,21 @@ int pdserve_linear(const void *x, const void *w, const void *bias, void *y, int6
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *wbuf = NULL;
-        if (bf16 && (M + C - 1) / C >= WIDEN_PASSES) {
+        if (bf16 && !native && (M + C - 1) / C >= WIDEN_PASSES) {
             wbuf = malloc((size_t)(R * K) * sizeof *wbuf + 1);
             failed = !wbuf;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_chunks; i++) {
-            const int64_t n1 = (i + 1) * chunk * R;
-            if (!failed) rows(&p, i * chunk * R, n1 < N ? n1 : N, wbuf);
+            const int64_t n0 = i * chunk * R, n1 = (i + 1) * chunk * R < N ? (i + 1) * chunk * R : N;
+            if (failed) continue;
+#if LINEAR_BF16_NATIVE
+            if (native) {
+                rows_bf16(&p, n0, n1);
+                continue;
+            }
+#endif
+            rows(&p, n0, n1, wbuf);
         }
         free(wbuf);
     }

@@ -17,19 +17,24 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.cpu import block_copy
 from kernels.cpu.build import BuildError, load_library
+from pdserve.config import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _LINEAR_SOURCE = Path(__file__).with_name("linear.c")
+_FUSED_SOURCE = Path(__file__).with_name("fused.c")
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Most rows of x for which ops.linear uses the C kernel, per dtype: where torch's F.linear caught
 # up (`python -m bench.kernels --only linear --linear-rows ...`: the default model's projections,
 # 2 threads, Zen 3 AVX2). fp32: C took 0.5x torch's time at 1-16 rows, 0.8x at 96, 0.84x at 128,
 # 1.0x at 160. bf16 (no native bf16 here): torch's matmul ran 5x slower than C at every row count
 # measured, up to 1024 (max_num_batched_tokens's default), so prefill uses the C kernel too.
-LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 1024}
+# With AVX512-BF16 (2-core Zen 4, both multiplying bf16 natively) C took 0.5x torch's time at
+# 1-16 rows, 0.7-0.8x at 32-64, 0.9-1.0x at 128-512 and 1.04x at 1024.
+LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 512 if cpu_has_native_bf16() else 1024}
 
 
 def _load(source: Path, what: str) -> ctypes.CDLL | None:
@@ -72,6 +77,30 @@ def _linear_kernel() -> Callable[..., int] | None:
     return linear_function(lib)
 
 
+def attention_bf16_native() -> bool:
+    """Whether bf16 decode attention (head_dim 64 or 128) runs on AVX512-BF16 instructions."""
+    lib = _library()
+    return lib is not None and bool(lib.pdserve_paged_attention_native())
+
+
+@functools.cache
+def _fused_library() -> ctypes.CDLL | None:
+    lib = _load(_FUSED_SOURCE, "fused elementwise")
+    if lib is not None:
+        lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
+            ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
+        lib.pdserve_rms_norm.restype = None
+        lib.pdserve_rope_write_kv.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+             ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+            + [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+        lib.pdserve_rope_write_kv.restype = ctypes.c_int
+        lib.pdserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+            ctypes.c_int32, ctypes.c_int32]
+        lib.pdserve_silu_mul.restype = None
+    return lib
+
+
 def native_available() -> bool:
     """Whether the C decode kernel is compiled and loaded (building it if needed)."""
     return _library() is not None
@@ -98,8 +127,10 @@ def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 # Plain torch ops are as fast as it gets for these copies (bench/kernels.py): index_copy_ and
 # view[slots] = k measured alike; index_select gathers blocks 3-7x faster than cache[ids].
 write_kv = reference.write_kv
-gather_blocks = reference.gather_blocks
-scatter_blocks = reference.scatter_blocks
+# Whole blocks move in C, a memcpy per run of consecutive ids (block_copy.c); index_copy_ moved
+# bf16 blocks at ~3.5 GB/s, which capped the KV transfer's scatter.
+gather_blocks = block_copy.gather_blocks
+scatter_blocks = block_copy.scatter_blocks
 
 
 def paged_decode_attention(
@@ -259,3 +290,100 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if status:
         raise MemoryError("linear: the C kernel could not allocate its scratch memory")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _fused_ok(*tensors: torch.Tensor) -> bool:
+    """The C kernels take CPU tensors of one native dtype, contiguous, outside autograd."""
+    first = tensors[0]
+    return (
+        first.device.type == "cpu"
+        and first.dtype in _NATIVE_DTYPES
+        and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``reference.rms_norm``; one C pass per row, ``residual`` updated in place."""
+    operands = (x, weight) if residual is None else (x, weight, residual)
+    lib = _fused_library() if _fused_ok(*operands) and x.dim() >= 1 else None
+    if (
+        lib is None
+        or weight.shape != x.shape[-1:]
+        or (residual is not None and residual.shape != x.shape)
+    ):
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    lib.pdserve_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.numel() // n if n else 0, n, eps, _NATIVE_DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out, x if residual is None else residual
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See ``reference.rope_write_kv``; in C, rotating q and k in place in ``qkv``."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    lib = _fused_library() if _fused_ok(qkv, k_cache, v_cache) else None
+    if (
+        lib is None
+        or qkv.dim() != 2
+        or qkv.shape[1] != width
+        or head_dim % 2
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.shape != sin.shape
+        or cos.shape[-1] != head_dim
+        or k_cache.shape != v_cache.shape
+    ):
+        return reference.rope_write_kv(qkv, positions, cos, sin, num_heads, k_cache, v_cache,
+                                       slot_mapping)
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if positions.shape != (qkv.shape[0],) or slots.shape != positions.shape:
+        raise ValueError(
+            f"rope_write_kv: {qkv.shape[0]} tokens, {positions.numel()} positions and "
+            f"{slots.numel()} slots; give one position and one slot per token"
+        )
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = lib.pdserve_rope_write_kv(
+        qkv.data_ptr(), qkv.shape[0], width, num_heads, num_kv_heads, head_dim,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_slots,
+        _NATIVE_DTYPES[qkv.dtype], torch.get_num_threads(),
+    )
+    if bad:
+        raise ValueError(
+            f"rope_write_kv: {bad} tokens have a position outside [0, {cos.shape[0]}) or a slot "
+            f"outside [0, {num_slots}); nothing was written for them"
+        )
+    return qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See ``reference.silu_mul``; one C pass."""
+    lib = _fused_library() if _fused_ok(gate_up) and gate_up.dim() >= 1 else None
+    if lib is None or gate_up.shape[-1] % 2:
+        return reference.silu_mul(gate_up)
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+    lib.pdserve_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter) if inter else 0, inter,
+        _NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads(),
+    )
+    return out

@@ -5,14 +5,20 @@ from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
 from kernels.triton.prefill_attention import prefill_attention
 
-# No Triton kernel: F.linear (cuBLAS on CUDA tensors).
+# No Triton kernel: F.linear (cuBLAS on CUDA tensors), and torch for the small fused ops.
 linear = reference.linear
+rms_norm = reference.rms_norm
+rope_write_kv = reference.rope_write_kv
+silu_mul = reference.silu_mul
 
 __all__ = [
     "gather_blocks",
     "linear",
     "paged_decode_attention",
     "prefill_attention",
+    "rms_norm",
+    "rope_write_kv",
     "scatter_blocks",
+    "silu_mul",
     "write_kv",
 ]

@@ -3,8 +3,9 @@
     token index:  0 ........ num_prefill_tokens-1 | num_prefill_tokens ... num_tokens-1
     belongs to:   prefill chunks, packed per seq   | one decode token per sequence
 
-Every token's K/V is written to its slot first; then the prefill part attends with
-``prefill_attention`` and the decode part with ``paged_decode_attention``.
+Every token's K/V is written to its slot first (``ops.rope_write_kv``, with the rotary
+embedding); then the prefill part attends with ``prefill_attention`` and the decode part with
+``paged_decode_attention``.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ class AttentionMetadata:
 def paged_attention(
     ops,
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of every token of the batch; its own K/V are in the cache already
+    (``ops.rope_write_kv``)."""
     k_cache, v_cache = kv_cache
-    ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     n = meta.num_prefill_tokens
     parts = []
     if n:

@@ -17,15 +17,17 @@ from pdserve.model.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``forward(x, residual)`` first adds x into the residual stream, then normalizes it: the
+    backend does both in one pass (``ops.rms_norm``) and returns ``(normed, residual)``."""
+
+    def __init__(self, dim: int, eps: float, ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -45,7 +47,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position, precomputed in fp32; rotate-half convention (as Hugging Face)."""
+    """cos/sin for every position, precomputed in fp32; rotate-half convention (as Hugging Face).
+    Applied by ``ops.rope_write_kv``, together with the KV-cache write."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
@@ -54,16 +57,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
@@ -81,12 +74,11 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         # [num_tokens, q_size + 2 * kv_size]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        out = paged_attention(self.ops, q, k, v, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        k_cache, v_cache = kv_cache
+        # rotate q and k, write k and v into their slots; q: [num_tokens, heads, head_dim]
+        q = self.ops.rope_write_kv(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads, k_cache,
+                                   v_cache, meta.slot_mapping)
+        out = paged_attention(self.ops, q, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -100,21 +92,24 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.ops.linear(nn.functional.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return self.ops.linear(self.ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, rope, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta):
+        """``x`` is the previous layer's MLP output (or the embeddings), not yet added to the
+        residual stream ``residual`` (None before the first layer): each norm adds, then
+        normalizes, in one pass. Returns this layer's MLP output and the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope, ops) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -135,11 +130,12 @@ class LlamaForCausalLM(nn.Module):
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """``after_layer(i)`` runs once layer i has written its KV (to ship it while i+1 computes)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(positions, x, kv_cache, meta)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]

@@ -110,6 +110,30 @@ def test_backends_share_the_reference_signatures(name):
         "prefill_attention",
         "gather_blocks",
         "scatter_blocks",
+        "linear",
+        "rms_norm",
+        "rope_write_kv",
+        "silu_mul",
     ):
         expected = list(inspect.signature(getattr(reference, fn)).parameters)
         assert list(inspect.signature(getattr(module, fn)).parameters) == expected, fn
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [(9, 3, 64), (2, 2, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
+                         ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, close):
+    """The AVX512-BF16 path: 16-token tiles that span blocks (block_size < 16) or split them,
+    query-head groups that fill 1 to 4 chunks of registers, head_dim 64 and 128. Pool rows past
+    every sequence hold NaN: the lanes of a tile's last, partial part must not read them."""
+    if not ops.native_available() or not ops.attention_bf16_native():
+        pytest.skip("no AVX512-BF16 here: bf16 decode attention takes the widening path")
+    num_heads, num_kv_heads, head_dim = heads
+    lens = [1, 15, 16, 17, 40, 100]
+    case = paged_case(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=block_size)
+    q = torch.randn(len(lens), num_heads, head_dim).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale)
+    out = ops.paged_decode_attention(*args)
+    close(out, dense(q, case.seq_k, case.seq_v, [1] * len(lens), scale), torch.bfloat16)

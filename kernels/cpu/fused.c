@@ -1,0 +1,203 @@
+/*
+ * The small per-token operations of a decoder layer, each fused into one pass over its rows:
+ *
+ *   pdserve_rms_norm       [residual += x;] out = weight * rmsnorm(residual or x)
+ *   pdserve_rope_write_kv  rotate q and k in place (rotate-half RoPE), copy k and v into their
+ *                          KV-cache slots
+ *   pdserve_silu_mul       out = silu(gate) * up, gate and up the halves of one row
+ *
+ * In torch each is 5-15 operators (casts, reductions, broadcasts, a cat, an index_copy_), and at
+ * decode batch sizes the dispatch of those costs more than their arithmetic. The results are
+ * torch's, step by step: fp32 arithmetic with a rounding to bf16 wherever torch's bf16 operators
+ * round (a bf16 product or sum is one fp32 operation, exact before that rounding), so bf16
+ * outputs equal the operators they replace except where torch sums in another order (the
+ * RMSNorm mean) or its exp differs in the last bit (silu).
+ *
+ * Plain C; the row functions take typed restrict pointers so that the compiler vectorizes them
+ * (-O3 -march=native). Rows run on several OpenMP threads only when there are enough of them to
+ * pay for waking the threads.
+ */
+#pragma GCC optimize("fp-contract=off") /* a * b + c as torch computes it: two roundings */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+static int threads_for(int64_t elements, int32_t num_threads) {
+    return elements < PARALLEL_MIN_ELEMENTS || num_threads < 1 ? 1 : num_threads;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* f rounded to bf16 (nearest even), as a float; NaN stays NaN. Branch-free, so loops vectorize. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    r = (u & 0x7fffffffu) > 0x7f800000u ? u : r;
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* f already rounded to a bf16 value */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float same(float f) { return f; }
+
+/* exp(x) for any float x (Cephes expf, ~1 ulp; no branches, so it vectorizes). */
+static inline float exp_any(float x) {
+    x = x < -87.3f ? -87.3f : x; /* not fminf/fmaxf: calls into libm, which stop vectorizing */
+    x = x > 88.7f ? 88.7f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint, no libm */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23; /* 2^n; n = 128 (x near 88.7) gives inf */
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+/*
+ * The row functions, written once over T (the element type), LOAD (T -> float), STORE (a float
+ * already rounded -> T) and RND (round to T's precision), and instantiated for fp32 and bf16.
+ */
+#define ROW_FUNCTIONS(SUFFIX, T, LOAD, STORE, RND)                                               \
+    /* h = x (+ residual, rounded, written back); out = weight * (h * rsqrt(mean(h^2) + eps)) */ \
+    static void rms_norm_row_##SUFFIX(const T *restrict x, T *restrict residual,                 \
+                                      const T *restrict weight, T *restrict out, int64_t n,      \
+                                      float eps, float *restrict h) {                            \
+        for (int64_t i = 0; i < n; i++) h[i] = LOAD(x[i]);                                       \
+        if (residual)                                                                            \
+            for (int64_t i = 0; i < n; i++) {                                                    \
+                h[i] = RND(h[i] + LOAD(residual[i]));                                            \
+                residual[i] = STORE(h[i]);                                                       \
+            }                                                                                    \
+        /* torch sums in fp32 in its own order; this sums in double, the exact-er of the two */  \
+        double ss = 0.0;                                                                         \
+        _Pragma("omp simd reduction(+ : ss)")                                                    \
+        for (int64_t i = 0; i < n; i++) ss += (double)h[i] * h[i];                               \
+        const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);                           \
+        for (int64_t i = 0; i < n; i++) out[i] = STORE(RND(LOAD(weight[i]) * RND(h[i] * inv)));  \
+    }                                                                                            \
+                                                                                                 \
+    /* x * cos + cat(-x2, x1) * sin for `heads` heads of one token, in place */                  \
+    static void rope_row_##SUFFIX(T *restrict x, int64_t heads, int64_t head_dim,                \
+                                  const float *restrict cos, const float *restrict sin,          \
+                                  float *restrict c, float *restrict s, float *restrict v) {     \
+        const int64_t half = head_dim / 2;                                                       \
+        for (int64_t i = 0; i < head_dim; i++) c[i] = RND(cos[i]), s[i] = RND(sin[i]);           \
+        for (int64_t h = 0; h < heads; h++) {                                                    \
+            T *restrict xh = x + h * head_dim;                                                   \
+            for (int64_t i = 0; i < head_dim; i++) v[i] = LOAD(xh[i]);                           \
+            for (int64_t i = 0; i < half; i++)                                                   \
+                xh[i] = STORE(RND(RND(v[i] * c[i]) + RND(-v[i + half] * s[i])));                 \
+            for (int64_t i = half; i < head_dim; i++)                                            \
+                xh[i] = STORE(RND(RND(v[i] * c[i]) + RND(v[i - half] * s[i])));                  \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* out = silu(gate) * up, torch's way: x / (1 + exp(-x)) in fp32, rounded; then the product */ \
+    static void silu_mul_row_##SUFFIX(const T *restrict gate, const T *restrict up,              \
+                                      T *restrict out, int64_t n) {                              \
+        for (int64_t i = 0; i < n; i++) {                                                        \
+            const float g = LOAD(gate[i]);                                                       \
+            out[i] = STORE(RND(RND(g / (1.0f + exp_any(-g))) * LOAD(up[i])));                    \
+        }                                                                                        \
+    }
+
+ROW_FUNCTIONS(f32, float, same, same, same)
+ROW_FUNCTIONS(bf16, uint16_t, bf16_to_f32, to_bf16, round_bf16)
+
+/*
+ * x, residual (or NULL), out: [M, N] contiguous; weight [N]; all of one dtype. With a residual:
+ * residual = residual + x (rounded), then out = weight * norm(residual). torch's RMSNorm:
+ * h = float(v); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(dtype).
+ */
+void pdserve_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M,
+                      int64_t N, float eps, int32_t dtype, int32_t num_threads) {
+#pragma omp parallel for num_threads(threads_for(M * N, num_threads)) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float h[N];
+        if (dtype == BF16)
+            rms_norm_row_bf16((const uint16_t *)x + m * N,
+                              residual ? (uint16_t *)residual + m * N : NULL,
+                              (const uint16_t *)weight, (uint16_t *)out + m * N, N, eps, h);
+        else
+            rms_norm_row_f32((const float *)x + m * N, residual ? (float *)residual + m * N : NULL,
+                             (const float *)weight, (float *)out + m * N, N, eps, h);
+    }
+}
+
+/*
+ * qkv: [M, row_stride] with q (num_heads * head_dim), k, v (num_kv_heads * head_dim each) at
+ * the start of each row. q and k are rotated in place for their token's position:
+ *
+ *     x1, x2 = x[:d/2], x[d/2:];   out = x * cos + cat(-x2, x1) * sin
+ *
+ * with cos/sin ([max_positions, head_dim] fp32) first rounded to the dtype, as torch does; then
+ * k and v go to row slots[m] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]).
+ * Returns the number of tokens whose position or slot was out of range (nothing is written for
+ * them), 0 when all is well.
+ */
+int pdserve_rope_write_kv(void *qkv, int64_t M, int64_t row_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                          const float *cos_table, const float *sin_table, int64_t max_positions,
+                          void *k_cache, void *v_cache, const int64_t *slots, int64_t num_slots,
+                          int32_t dtype, int32_t num_threads) {
+    const int64_t kv = num_kv_heads * head_dim, heads = num_heads + num_kv_heads;
+    const int elem = dtype == BF16 ? 2 : 4;
+    int bad = 0;
+#pragma omp parallel for num_threads(threads_for(M * row_stride, num_threads)) \
+    schedule(static) reduction(+ : bad)
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t pos = positions[m], slot = slots[m];
+        if (pos < 0 || pos >= max_positions || slot < 0 || slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        char *row = (char *)qkv + m * row_stride * elem;
+        const float *cos = cos_table + pos * head_dim, *sin = sin_table + pos * head_dim;
+        float c[head_dim], s[head_dim], v[head_dim];
+        if (dtype == BF16)
+            rope_row_bf16((uint16_t *)row, heads, head_dim, cos, sin, c, s, v);
+        else
+            rope_row_f32((float *)row, heads, head_dim, cos, sin, c, s, v);
+        const char *k = row + num_heads * head_dim * elem;
+        memcpy((char *)k_cache + slot * kv * elem, k, (size_t)(kv * elem));
+        memcpy((char *)v_cache + slot * kv * elem, k + kv * elem, (size_t)(kv * elem));
+    }
+    return bad;
+}
+
+/* gate_up [M, 2 * I] -> out [M, I] = silu(gate) * up. */
+void pdserve_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int32_t dtype,
+                      int32_t num_threads) {
+#pragma omp parallel for num_threads(threads_for(M * I, num_threads)) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        if (dtype == BF16) {
+            const uint16_t *g = (const uint16_t *)gate_up + m * 2 * I;
+            silu_mul_row_bf16(g, g + I, (uint16_t *)out + m * I, I);
+        } else {
+            const float *g = (const float *)gate_up + m * 2 * I;
+            silu_mul_row_f32(g, g + I, (float *)out + m * I, I);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+"""The CPU backend's fused per-token ops (``fused.c``) against the reference in torch.
+
+rope_write_kv rounds exactly where torch's bf16 operators round, so its outputs must be equal bit
+for bit. rms_norm sums the squares in another order (and in double), and silu_mul has its own exp:
+those may differ in the last place in a small share of elements: by one bf16 ulp for silu_mul,
+by up to two for rms_norm (a one-ulp change of the normalized value, times a weight above 1, then
+rounded again).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import ops
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None or ops._fused_library() is None,
+    reason="the fused C kernels did not build here; the CPU backend uses the reference",
+)
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def no_reference(monkeypatch):
+    """Fail if ops falls back to the reference: proves the C kernel produced the result."""
+    for name in ("rms_norm", "rope_write_kv", "silu_mul"):
+        monkeypatch.setattr(ops.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back"))
+
+
+def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, share: float, ulps: int = 1) -> None:
+    """Equal, except at most ``share`` of the elements up to ``ulps`` units in the last place apart."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.bfloat16:
+        assert torch.equal(actual.sign(), expected.sign())
+        a, e = actual.view(torch.int16).int(), expected.view(torch.int16).int()
+        diff = (a - e).abs()
+        assert int(diff.max()) <= ulps
+        assert (diff > 0).float().mean().item() <= share
+    else:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=4e-7 * 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    want, want_residual = reference.rms_norm(x, weight, 1e-5, residual.clone())
+    want_plain, _ = reference.rms_norm(x, weight, 1e-5)
+    no_reference(monkeypatch)
+    got_plain, passed_on = ops.rms_norm(x, weight, 1e-5)
+    assert passed_on is x
+    assert_within_ulps(got_plain, want_plain, 0.01, ulps=2)
+    got, got_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    assert got_residual is residual  # updated in place
+    assert torch.equal(got_residual, want_residual)  # one rounded add: exact
+    assert_within_ulps(got, want, 0.01, ulps=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h))
+def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
+    num_heads, num_kv_heads, head_dim = heads
+    tokens, num_blocks, block_size = 37, 8, 16
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, generator=gen)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
+    want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots)
+    no_reference(monkeypatch)
+    got_q = ops.rope_write_kv(qkv, positions, cos, sin, num_heads, caches[2], caches[3], slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(caches[2].nan_to_num(7.0), caches[0].nan_to_num(7.0))  # written slots, and only them
+    assert torch.equal(caches[3].nan_to_num(7.0), caches[1].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("bad", ["slot", "position"])
+def test_rope_write_kv_refuses_out_of_range_tokens(bad):
+    qkv = torch.randn(3, 5 * 8)
+    cos = sin = torch.ones(10, 8)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    positions, slots = torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2])
+    if bad == "slot":
+        slots[1] = 8  # 2 blocks x 4 slots
+    else:
+        positions[2] = 10
+    with pytest.raises(ValueError, match="1 tokens have a position outside \\[0, 10\\) or a slot outside \\[0, 8\\)"):
+        ops.rope_write_kv(qkv, positions, cos, sin, 3, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(33, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, -88.0, 0.0, 1e-30, 88.0, 100.0]).to(dtype)  # exp's ends
+    want = reference.silu_mul(gate_up)
+    no_reference(monkeypatch)
+    assert_within_ulps(ops.silu_mul(gate_up), want, 0.01)
+
+
+def test_unsupported_inputs_take_the_reference():
+    x = torch.randn(4, 16, dtype=torch.float16)
+    weight = torch.ones(16, dtype=torch.float16)
+    out, _ = ops.rms_norm(x, weight, 1e-6)
+    assert torch.equal(out, reference.rms_norm(x, weight, 1e-6)[0])
+    gate_up = torch.randn(8, 4)[:, ::2]  # not contiguous
+    assert torch.equal(ops.silu_mul(gate_up), reference.silu_mul(gate_up))
