@@ -55,6 +55,10 @@ def _library() -> ctypes.CDLL | None:
             [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int32] * 2
         )
         fn.restype = ctypes.c_int
+        if lib.pdserve_paged_attention_native():
+            fn = lib.pdserve_prefill_attention_bf16
+            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int32]
+            fn.restype = ctypes.c_int
     return lib
 
 
@@ -208,6 +212,16 @@ def prefill_attention(
         key  j:   0 .......... prefix-1   prefix ... context_len-1
         query i:  all visible             visible while j <= prefix + i
     """
+    lib = _library() if _native_ok(q, k_cache, v_cache) else None
+    if (
+        lib is not None
+        and q.dtype == torch.bfloat16
+        and q.shape[2] in (64, 128)
+        and q.stride(2) == 1
+        and lib.pdserve_paged_attention_native()
+    ):
+        return _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc,
+                               context_lens, scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for s, context_len in enumerate(context_lens.tolist()):
@@ -232,6 +246,33 @@ def prefill_attention(
             enable_gqa=True,
         )
         out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+    """The AVX512-BF16 prefill kernel (bf16, head_dim 64 or 128): see paged_attention.c."""
+    block_tables = block_tables.to(torch.int32)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+    num_bad = lib.pdserve_prefill_attention_bf16(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads,
+        num_kv_heads, head_dim, block_size, num_blocks, block_tables.shape[1],
+        block_tables.stride(0), q.stride(0), q.stride(1), scale, torch.get_num_threads(),
+    )
+    if num_bad < 0:
+        raise MemoryError("prefill_attention: the C kernel could not allocate its scratch memory")
+    if num_bad:
+        raise ValueError(
+            f"prefill_attention: {num_bad} sequences have a context_len below their new tokens or "
+            f"beyond their block table row, or block ids outside [0, {num_blocks}); check "
+            "block_tables, query_start_loc and context_lens"
+        )
     return out
 
 

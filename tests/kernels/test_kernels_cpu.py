@@ -137,3 +137,42 @@ def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, clos
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale)
     out = ops.paged_decode_attention(*args)
     close(out, dense(q, case.seq_k, case.seq_v, [1] * len(lens), scale), torch.bfloat16)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [(9, 3, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
+                         ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, close):
+    """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), 64-key
+    spans crossing the causal diagonal, cached prefixes of any length, a query strided as the
+    fused qkv projection leaves it."""
+    if not ops.native_available() or not ops.attention_bf16_native():
+        pytest.skip("no AVX512-BF16 here: bf16 prefill attention takes SDPA")
+    num_heads, num_kv_heads, head_dim = heads
+    seqs = [(1, 0), (3, 0), (17, 0), (70, 0), (5, 16), (33, 67), (1, 130), (64, 64)]  # (new, prefix)
+    q_lens = [n for n, _ in seqs]
+    case = paged_case([n + p for n, p in seqs], num_kv_heads, head_dim, block_size,
+                      torch.bfloat16, seed=block_size)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(sum(q_lens), width).to(torch.bfloat16)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)  # token stride = width
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    args = (q, case.k_cache, case.v_cache, case.block_tables, query_start_loc, case.context_lens, scale)
+    out = ops.prefill_attention(*args)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    close(out, dense(q, case.seq_k, case.seq_v, q_lens, scale), torch.bfloat16)
+
+
+@needs_compiler
+def test_native_prefill_rejects_bad_context(paged_case):
+    if not ops.native_available() or not ops.attention_bf16_native():
+        pytest.skip("no AVX512-BF16 here")
+    case = paged_case([20], 3, 64, 16, torch.bfloat16)
+    q = torch.randn(20, 9, 64).to(torch.bfloat16)
+    starts = torch.tensor([0, 20], dtype=torch.int32)
+    case.context_lens[0] = 10  # fewer positions than new tokens
+    with pytest.raises(ValueError, match="context_len below their new tokens"):
+        ops.prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts,
+                              case.context_lens, 0.125)
