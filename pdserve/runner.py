@@ -28,9 +28,12 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
     model = model.to(device=device, dtype=dtype).eval()
-    for module in model.modules():  # the rope tables stay fp32 (rounded to the dtype at use)
-        if isinstance(module, RotaryEmbedding):
+    prepack = getattr(model.ops, "prepack_linear", None)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # the rope tables stay fp32 (rounded at use)
             module.float()
+        if prepack is not None and isinstance(module, torch.nn.Linear):
+            prepack(module.weight)  # a backend's own weight layout, made before the first request
     return model
 
 

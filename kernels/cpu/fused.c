@@ -24,7 +24,7 @@
 
 enum { F32 = 0, BF16 = 1 };
 
-#define PARALLEL_MIN_ELEMENTS (1 << 16)
+#define PARALLEL_MIN_ELEMENTS (1 << 12)
 
 static int threads_for(int64_t elements, int32_t num_threads) {
     return elements < PARALLEL_MIN_ELEMENTS || num_threads < 1 ? 1 : num_threads;

@@ -206,118 +206,135 @@ static void rows(const Problem *p, int64_t n0, int64_t n1, float *wbuf) {
 }
 
 #if LINEAR_SIMD && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/*
- * bf16 on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later): vdpbf16ps multiplies 32
- * bf16 pairs and adds them into 16 fp32 lanes in one instruction, so nothing is widened. A tile
- * is 4 weight rows against up to 4 rows of x: 16 accumulators of 16 partial sums each (every
- * 32nd element of K); a K tail is a masked load. The 16 are reduced together by a tree of lane
- * shuffles (reduce16), which leaves y's 4 x 4 outputs in one register, row after row, to round to
- * bf16 in one instruction (vcvtneps2bf16: nearest even, as torch rounds).
- *
- * Measured on a 2-core Zen 4 (all of the default model's projections, 269 MB of bf16 weights,
- * 2 threads): at 4-64 rows as fast as oneDNN with pre-packed weights and 1.4-2x torch's
- * F.linear; at 1-2 rows the fp32 path above streams the weights faster (~26 vs ~22 GB/s), so
- * pdserve_linear sends those there.
- */
-#define LINEAR_BF16_NATIVE 1
-#define NATIVE_MIN_ROWS 3
+#define LINEAR_BF16_NATIVE 1 /* vdpbf16ps: bf16 pairs multiplied and summed into fp32 lanes */
 #define UNROLL _Pragma("GCC unroll 16")
-
-/* z[4 * c + r] = sum of every lane of a[4 * r + c], for c, r < 4. */
-static inline __m512 reduce16(const __m512 a[16]) {
-    __m512 s[8], u[4], x[2];
-    UNROLL for (int i = 0; i < 8; i++) /* 512 -> 256 bits: [p0+p2, p1+p3, q0+q2, q1+q3] */
-        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    UNROLL for (int i = 0; i < 4; i++) /* 256 -> 128: 128-bit lane l of u[j] sums a[4j + l] */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-    UNROLL for (int i = 0; i < 2; i++) /* 128 -> 64, within lanes */
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
-                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]));
-    return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-}
-
-static inline __m512bh load32bh(const uint16_t *p, __mmask32 mask) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-/* One K step of a tile: acc[4 * r + c] += x[c, k:k+32] . w[r, k:k+32] (masked). */
-static inline __attribute__((always_inline)) void step_bf16(const uint16_t *x,
-                                                            const uint16_t *w, int64_t K,
-                                                            int64_t k, int nc, int nr,
-                                                            __mmask32 mask, __m512 acc[16]) {
-    __m512bh xv[4], wv[4];
-    UNROLL for (int c = 0; c < nc; c++) xv[c] = load32bh(x + c * K + k, mask);
-    UNROLL for (int r = 0; r < nr; r++) wv[r] = load32bh(w + r * K + k, mask);
-    UNROLL for (int r = 0; r < nr; r++)
-        UNROLL for (int c = 0; c < nc; c++)
-            acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], xv[c], wv[r]);
-}
-
-/*
- * out[4 * c + r] = x[c] . w[r] for c < nc rows of x and r < nr rows of w (row stride K both);
- * the others are 0. While it runs, as many bytes at `next` as it reads of w are prefetched.
- */
-static inline __attribute__((always_inline)) __m512 tile_dot_bf16(const uint16_t *x,
-                                                                  const uint16_t *w, int64_t K,
-                                                                  int nc, int nr,
-                                                                  const char *next) {
-    __m512 acc[16];
-    UNROLL for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        step_bf16(x, w, K, k, nc, nr, ~(__mmask32)0, acc);
-        if (next) UNROLL for (int b = 0; b < 4 * 64; b += 64) _mm_prefetch(next + k * 8 + b, _MM_HINT_T0);
-    }
-    if (k < K) step_bf16(x, w, K, k, nc, nr, (__mmask32)((1ull << (K - k)) - 1), acc);
-    return reduce16(acc);
-}
-
-static __m512 tile_dot_bf16_any(const uint16_t *x, const uint16_t *w, int64_t K, int nc, int nr,
-                                const char *next) {
-#define CASE(NC, NR)                                                                           \
-    if (nc == NC && nr == NR) return tile_dot_bf16(x, w, K, NC, NR, next);
-#define CASES(NC) CASE(NC, 4) CASE(NC, 3) CASE(NC, 2) CASE(NC, 1)
-    CASES(4) CASES(3) CASES(2) CASES(1)
-#undef CASES
-#undef CASE
-    return _mm512_setzero_ps();
-}
-
-/* Rows n0 .. n1-1 of y^T, for bf16 x, w, bias and y. */
-/* Every pass over the tile prefetches the next one (not only the first: measured 1.2x quicker
- * at 16-32 rows; the lines are in cache after the first pass, so the rest cost little). */
-static void rows_bf16(const Problem *p, int64_t n0, int64_t n1) {
-    const uint16_t *x = (const uint16_t *)p->x, *w = p->w, *bias = p->bias;
-    uint16_t *y = p->y;
-    const int64_t K = p->K;
-    for (int64_t n = n0; n < n1; n += 4) {
-        const int nr = n1 - n < 4 ? (int)(n1 - n) : 4;
-        const uint16_t *tile = w + n * K;
-        const char *next = n + 8 <= n1 ? (const char *)(tile + 4 * K) : NULL;
-        __m512 b = _mm512_setzero_ps();
-        if (bias) {
-            float bf[4] = {0};
-            for (int r = 0; r < nr; r++) bf[r] = bf16_to_f32(bias[n + r]);
-            b = _mm512_broadcast_f32x4(_mm_loadu_ps(bf)); /* [b0 b1 b2 b3] x 4 rows */
-        }
-        for (int64_t m = 0; m < p->M; m += 4) {
-            const int nc = p->M - m < 4 ? (int)(p->M - m) : 4;
-            const __m512 z = tile_dot_bf16_any(x + m * K, tile, K, nc, nr, next);
-            uint64_t out[4]; /* row c of the tile: 4 bf16 */
-            _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(z, b)));
-            for (int c = 0; c < nc; c++) memcpy(y + (m + c) * p->N + n, &out[c], 2 * (size_t)nr);
-        }
-    }
-}
 #else
 #define LINEAR_BF16_NATIVE 0
 #endif
 
-/* 1 if bf16 runs on AVX512-BF16 instructions (no widening to fp32). */
+#if LINEAR_BF16_NATIVE
+/*
+ * Pre-packed bf16 weights: y = x @ w^T without any reduction across lanes.
+ *
+ *   packed[nb][kp][j] = the dword (w[64 nb + j][2 kp], w[64 nb + j][2 kp + 1])   j < 64
+ *
+ * (zero past N and K). For a block of 64 outputs and up to 6 rows of x, each step kp loads the
+ * block's 4 registers of 16 pairs and multiplies each with the dword (x[m][2kp], x[m][2kp+1])
+ * broadcast (vdpbf16ps with an embedded broadcast): 24 accumulators of 16 finished outputs, 4
+ * loads and 6 broadcasts per 24 instructions, the weights read front to back. Measured on the
+ * 2-core Zen 4 against the unpacked tiles above: see ops.py (LINEAR_PACKED_*).
+ */
+#define PMR 6  /* rows of x per micro-tile */
+#ifndef PACKED_PREFETCH
+#define PACKED_PREFETCH 1
+#endif
+#define PNB 64 /* outputs per block */
+
+int64_t pdserve_packed_words(int64_t N, int64_t K) {
+    return ((N + PNB - 1) / PNB) * ((K + 1) / 2) * PNB;
+}
+
+void pdserve_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint32_t *packed,
+                       int32_t num_threads) {
+    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++)
+        for (int64_t kp = 0; kp < kps; kp++)
+            for (int64_t j = 0; j < PNB; j++) {
+                const int64_t n = nb * PNB + j, k = 2 * kp;
+                uint32_t lo = 0, hi = 0;
+                if (n < N) {
+                    lo = w[n * K + k];
+                    hi = k + 1 < K ? w[n * K + k + 1] : 0;
+                }
+                packed[(nb * kps + kp) * PNB + j] = lo | (hi << 16);
+            }
+}
+
+/* Rows m .. m+mr-1 of x against block nb: y[m + r][64 nb + 16 c + i], masked past N. */
+static inline __attribute__((always_inline)) void packed_tile(
+    const uint16_t *x, int64_t K, const uint32_t *wb, int64_t kps, int mr, const uint16_t *bias,
+    uint16_t *y, int64_t N, int64_t n0, const char *next) {
+    __m512 acc[PMR][4];
+    UNROLL for (int r = 0; r < PMR; r++)
+        UNROLL for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    const int64_t full = K / 2; /* dwords of x that are whole pairs */
+    for (int64_t kp = 0; kp < kps; kp++) {
+        __m512bh w[4];
+        UNROLL for (int c = 0; c < 4; c++) w[c] = (__m512bh)_mm512_loadu_si512(wb + kp * PNB + 16 * c);
+#if PACKED_PREFETCH
+        if (next) UNROLL for (int c = 0; c < 4; c++) _mm_prefetch(next + kp * PNB * 4 + 64 * c, _MM_HINT_T0);
+#endif
+        UNROLL for (int r = 0; r < PMR; r++) {
+            if (r >= mr) break;
+            const uint16_t *xr = x + r * K;
+            int32_t pair;
+            if (kp < full)
+                memcpy(&pair, xr + 2 * kp, sizeof pair);
+            else /* odd K: (x[K-1], 0) */
+                pair = xr[2 * kp];
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            UNROLL for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+        }
+    }
+    const int64_t left = N - n0;
+    UNROLL for (int c = 0; c < 4; c++) {
+        const int64_t rem = left - 16 * c;
+        if (rem <= 0) break;
+        const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0 + 16 * c)), 16));
+        UNROLL for (int r = 0; r < PMR; r++) {
+            if (r >= mr) break;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], b));
+            _mm256_mask_storeu_epi16(y + r * N + n0 + 16 * c, mask, out);
+        }
+    }
+}
+
+static void packed_rows(const uint16_t *x, int64_t K, const uint32_t *wb, int64_t kps,
+                        const uint16_t *bias, uint16_t *y, int64_t N, int64_t n0, int64_t m0,
+                        int64_t m1, const char *next) {
+    /* passes of at most PMR rows, as even as can be: 32 = 5 + 5 + 5 + 5 + 6 + 6, not 6 x 5 + 2 */
+    const int64_t passes = (m1 - m0 + PMR - 1) / PMR;
+    for (int64_t j = 0, m = m0, mr; j < passes; j++, m += mr) {
+        mr = (m1 - m0 + j) / passes;
+        const uint16_t *xm = x + m * K;
+        uint16_t *ym = y + m * N;
+        switch ((int)mr) {
+        case 6: packed_tile(xm, K, wb, kps, 6, bias, ym, N, n0, next); break;
+        case 5: packed_tile(xm, K, wb, kps, 5, bias, ym, N, n0, next); break;
+        case 4: packed_tile(xm, K, wb, kps, 4, bias, ym, N, n0, next); break;
+        case 3: packed_tile(xm, K, wb, kps, 3, bias, ym, N, n0, next); break;
+        case 2: packed_tile(xm, K, wb, kps, 2, bias, ym, N, n0, next); break;
+        default: packed_tile(xm, K, wb, kps, 1, bias, ym, N, n0, next); break;
+        }
+    }
+}
+
+#define PACKED_M_CHUNK 96 /* rows of x per task when there are many (a multiple of PMR) */
+
+/* y [M, N] = x [M, K] @ w^T (+ bias [N]), w packed by pdserve_pack_bf16; all bf16. */
+void pdserve_linear_packed(const uint16_t *x, const uint32_t *packed, const uint16_t *bias,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB;
+    const int64_t chunks = (M + PACKED_M_CHUNK - 1) / PACKED_M_CHUNK;
+    if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < blocks * chunks; t++) {
+        const int64_t nb = t % blocks, mc = t / blocks;
+        const int64_t m0 = mc * PACKED_M_CHUNK;
+        const int64_t m1 = m0 + PACKED_M_CHUNK < M ? m0 + PACKED_M_CHUNK : M;
+        const char *next = nb + 1 < blocks ? (const char *)(packed + (nb + 1) * kps * PNB) : NULL;
+        packed_rows(x, K, packed + nb * kps * PNB, kps, bias, y, N, nb * PNB, m0, m1, next);
+    }
+}
+#endif
+
+/* 1 if pdserve_pack_bf16 / pdserve_linear_packed exist (AVX512-BF16). */
 int pdserve_linear_bf16_native(void) { return LINEAR_BF16_NATIVE; }
 
 /* 1 if the kernel was built with its AVX2 path, 0 for the plain C fallback. */
@@ -331,14 +348,9 @@ int pdserve_linear_simd(void) { return LINEAR_SIMD; }
 int pdserve_linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
                    int64_t K, int32_t dtype, int32_t num_threads) {
     const int bf16 = dtype == BF16;
-#if LINEAR_BF16_NATIVE
-    const int native = bf16 && M >= NATIVE_MIN_ROWS; /* bf16 x read as it is, no widening */
-#else
-    const int native = 0;
-#endif
     if (M <= 0 || N <= 0) return 0;
     float *xf = NULL;
-    if (bf16 && !native) {
+    if (bf16) {
         xf = malloc((size_t)(M * K) * sizeof *xf + 1);
         if (!xf) return -1;
         widen(x, M * K, xf);
@@ -357,21 +369,14 @@ int pdserve_linear(const void *x, const void *w, const void *bias, void *y, int6
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *wbuf = NULL;
-        if (bf16 && !native && (M + C - 1) / C >= WIDEN_PASSES) {
+        if (bf16 && (M + C - 1) / C >= WIDEN_PASSES) {
             wbuf = malloc((size_t)(R * K) * sizeof *wbuf + 1);
             failed = !wbuf;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_chunks; i++) {
             const int64_t n0 = i * chunk * R, n1 = (i + 1) * chunk * R < N ? (i + 1) * chunk * R : N;
-            if (failed) continue;
-#if LINEAR_BF16_NATIVE
-            if (native) {
-                rows_bf16(&p, n0, n1);
-                continue;
-            }
-#endif
-            rows(&p, n0, n1, wbuf);
+            if (!failed) rows(&p, n0, n1, wbuf);
         }
         free(wbuf);
     }

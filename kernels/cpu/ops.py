@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import torch.nn.functional as F
 from kernels import reference
 from kernels.cpu import block_copy
 from kernels.cpu.build import BuildError, load_library
-from pdserve.config import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +32,12 @@ _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # 2 threads, Zen 3 AVX2). fp32: C took 0.5x torch's time at 1-16 rows, 0.8x at 96, 0.84x at 128,
 # 1.0x at 160. bf16 (no native bf16 here): torch's matmul ran 5x slower than C at every row count
 # measured, up to 1024 (max_num_batched_tokens's default), so prefill uses the C kernel too.
-# With AVX512-BF16 (2-core Zen 4, both multiplying bf16 natively) C took 0.5x torch's time at
-# 1-16 rows, 0.7-0.8x at 32-64, 0.9-1.0x at 128-512 and 1.04x at 1024.
-LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 512 if cpu_has_native_bf16() else 1024}
+LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 1024}
+# With AVX512-BF16, bf16 projections of any row count run on pre-packed weights instead
+# (_packed_weight, linear.c): the default model's projections, 2 threads, 2-core Zen 4, against
+# torch's F.linear: 0.41x its time at 1 row (26-29 GB/s of weights), 0.4x at 4, 0.45x at 8,
+# 0.55-0.6x at 32, 0.7x at 64, 0.87x at 512 (~400 GFLOP/s). The price: a second copy of every
+# projection's weights.
 
 
 def _load(source: Path, what: str) -> ctypes.CDLL | None:
@@ -79,6 +82,60 @@ def _linear_kernel() -> Callable[..., int] | None:
         logger.info("CPU linear kernel built without AVX2+FMA (slower than torch); using torch")
         return None
     return linear_function(lib)
+
+
+class _Packing:
+    """linear.c's packed-weight functions, where the CPU multiplies bf16 natively."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.words = lib.pdserve_packed_words
+        self.words.argtypes = [ctypes.c_int64] * 2
+        self.words.restype = ctypes.c_int64
+        self.pack = lib.pdserve_pack_bf16
+        self.pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int32]
+        self.pack.restype = None
+        self.linear = lib.pdserve_linear_packed
+        self.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+        self.linear.restype = None
+
+
+@functools.cache
+def _packing() -> _Packing | None:
+    lib = _load(_LINEAR_SOURCE, "linear")
+    if lib is None or not lib.pdserve_linear_simd() or not lib.pdserve_linear_bf16_native():
+        return None
+    return _Packing(lib)
+
+
+# id(weight) -> (weakref to it, its version counter and data pointer when packed, the packing)
+_packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
+    """``weight``'s packed copy, made on first use and again whenever the weight changes (its
+    version counter moves on in-place writes); dropped with the weight."""
+    key = id(weight)
+    entry = _packed.get(key)
+    if entry is not None:
+        ref, version, ptr, packed = entry
+        if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+            return packed
+    n, k = weight.shape
+    packed = torch.empty(packing.words(n, k), dtype=torch.int32)
+    packing.pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    ref = weakref.ref(weight, lambda _, key=key: _packed.pop(key, None))
+    _packed[key] = (ref, weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+def prepack_linear(weight: torch.Tensor) -> None:
+    """Pack a projection's weight now (the model loader calls this), not at its first use."""
+    packing = _packing()
+    if packing is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and (
+        weight.is_cpu and weight.is_contiguous()
+    ):
+        _packed_weight(packing, weight)
 
 
 def attention_bf16_native() -> bool:
@@ -276,14 +333,15 @@ def _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc, con
     return out
 
 
-def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the C kernel covers these inputs (it does not do autograd). Runs on every call of
+def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      max_rows: int) -> bool:
+    """Whether the C kernels cover these inputs (they do not do autograd). Runs on every call of
     every projection, so plain checks, cheapest first."""
     if (
         weight.dim() != 2
         or x.dim() == 0
         or x.shape[-1] != weight.shape[1]
-        or not 0 < x.numel() <= LINEAR_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]
+        or not 0 < x.numel() <= max_rows * x.shape[-1]
         or weight.dtype != x.dtype
         or not x.is_cpu
         or not weight.is_cpu
@@ -304,17 +362,27 @@ def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See ``reference.linear``; in C for at most ``LINEAR_MAX_ROWS[dtype]`` rows of x.
-
-    torch's fp32 GEMV reads the weights at about half the memory bandwidth here, its bf16 one
-    slows down with every extra row; the C kernel reads each weight row once for all rows of x
-    (``linear.c``). More rows, other dtypes or devices, non-contiguous tensors and autograd go to
-    ``F.linear``.
+    """See ``reference.linear``. bf16 where the CPU has AVX512-BF16: any number of rows, in C
+    on a packed copy of the weight. Otherwise in C for at most ``LINEAR_MAX_ROWS[dtype]`` rows of
+    x: torch's fp32 GEMV reads the weights at about half the memory bandwidth, its emulated bf16
+    one slows down with every extra row; the C kernel reads each weight row once for all rows of
+    x (``linear.c``). More rows, other dtypes or devices, non-contiguous tensors and autograd go
+    to ``F.linear``.
     """
-    kernel = _linear_kernel() if _linear_native_ok(x, weight, bias) else None
+    n, k = weight.shape
+    if x.dtype == torch.bfloat16 and _linear_native_ok(x, weight, bias, 1 << 62):
+        packing = _packing()
+        if packing is not None:
+            rows = x.numel() // k
+            y = torch.empty(rows, n, dtype=x.dtype)
+            packing.linear(x.data_ptr(), _packed_weight(packing, weight).data_ptr(),
+                           None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n, k,
+                           torch.get_num_threads())
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    ok = _linear_native_ok(x, weight, bias, LINEAR_MAX_ROWS.get(x.dtype, 0))
+    kernel = _linear_kernel() if ok else None
     if kernel is None:
         return F.linear(x, weight, bias)
-    n, k = weight.shape
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype)
     status = kernel(

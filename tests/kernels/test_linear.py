@@ -1,7 +1,9 @@
-"""``linear(x, weight, bias)`` of every backend; the CPU backend's C kernel in detail.
+"""``linear(x, weight, bias)`` of every backend; the CPU backend's C kernels in detail.
 
-The C kernel tiles 4 weight rows x 2 rows of x over 8-wide k steps, so the shapes below cover
-every tail: N % 4 != 0, K % 8 != 0, odd M. Expected values come from float64.
+The AVX2 kernel tiles 4 weight rows x 2 rows of x over 8-wide k steps; the packed bf16 kernel
+(AVX512-BF16) takes 64 outputs x up to 6 rows of x over pairs of k. The shapes below cover every
+tail of both: N % 4 != 0 and N % 64 != 0, K % 8 != 0 and odd K, row counts that split into
+uneven passes. Expected values come from float64.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def test_other_inputs_go_to_torch(case):
         b = torch.randn(2 * n)[::2]
     if case == "autograd":
         weight.requires_grad_(True)
-    assert not ops._linear_native_ok(x, weight, b)
+    assert not ops._linear_native_ok(x, weight, b, ops.LINEAR_MAX_ROWS.get(x.dtype, 0))
     y = ops.linear(x, weight, b)
     assert torch.equal(y, F.linear(x, weight, b))
     if case == "autograd":
@@ -181,7 +183,7 @@ def test_other_inputs_go_to_torch(case):
 
 def test_mixed_dtypes_are_torch_s_error():
     x, weight, b = make(2, 20, 9, torch.bfloat16, True)
-    assert not ops._linear_native_ok(x, weight, b.float())
+    assert not ops._linear_native_ok(x, weight, b.float(), 1 << 62)
     with pytest.raises(RuntimeError):
         ops.linear(x, weight, b.float())
 
@@ -192,6 +194,7 @@ def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog)
 
     monkeypatch.setattr(ops, "load_library", fail)
     ops._linear_kernel.cache_clear()
+    ops._packing.cache_clear()
     try:
         x, weight, b = make(2, 577, 33, torch.float32, True)
         with caplog.at_level(logging.WARNING, logger="kernels.cpu.ops"):
@@ -202,6 +205,7 @@ def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog)
         assert len(warnings) == 1 and "simulated" in warnings[0].getMessage()
     finally:
         ops._linear_kernel.cache_clear()
+        ops._packing.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -230,3 +234,46 @@ def test_every_backend_exposes_linear(name):
     assert params["bias"].default is None
     x, weight, b = make(3, 20, 9, torch.float32, True)
     assert_linear_close(module.linear(x, weight, b), expected(x, weight, b), 20)
+
+
+needs_packing = pytest.mark.skipif(
+    shutil.which("cc") is None or ops._packing() is None,
+    reason="no AVX512-BF16 here: bf16 projections take the widening kernel",
+)
+
+
+@needs_packing
+def test_packed_weight_follows_in_place_changes(c_only):
+    """The packed copy is remade when the weight is written in place, and dropped with it."""
+    x, weight, _ = make(5, 577, 70, torch.bfloat16, False)
+    first = ops.linear(x, weight)
+    assert id(weight) in ops._packed
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(ops.linear(x, weight), (first.float() * 2).to(torch.bfloat16))
+    key = id(weight)
+    del weight
+    assert key not in ops._packed
+
+
+@needs_packing
+def test_widening_path_still_matches_float64():
+    """The AVX2 kernel's bf16 path (machines without AVX512-BF16), called directly here."""
+    kernel = ops._linear_kernel()
+    for m, k, n in ((1, 20, 9), (5, 577, 33), (17, 576, 962)):
+        x, weight, b = make(m, k, n, torch.bfloat16, True)
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        args = (x.data_ptr(), weight.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k)
+        assert kernel(*args, ops._NATIVE_DTYPES[torch.bfloat16], 2) == 0
+        assert_linear_close(y, expected(x, weight, b), k)
+
+
+@needs_packing
+@pytest.mark.parametrize("k", [3, 577])
+def test_packed_odd_k_reads_nothing_past_x(k, c_only):
+    """With odd K the last pair of x is (x[K-1], 0): the element after x (NaN here) stays unread."""
+    x, weight, b = make(7, k, 65, torch.bfloat16, True)
+    buf = torch.full((x.numel() + 1,), float("nan"), dtype=torch.bfloat16)
+    buf[: x.numel()] = x.flatten()
+    y = ops.linear(buf[: x.numel()].view(7, k), weight, b)
+    assert_linear_close(y, expected(x, weight, b), k)
