@@ -97,9 +97,37 @@ def machine_description() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 8) -> str:
-    """Top operators of a few decode steps (torch.profiler), to see what bounds a step."""
+# The kernel entry points a step's time is split by (the backend's functions, then the rest).
+PROFILED_KERNELS = ("linear", "paged_decode_attention", "prefill_attention", "rope_write_kv",
+                    "rms_norm", "silu_mul")
+
+
+def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> str:
+    """Where a decode step's time goes: wall time inside each kernel entry point of the model's
+    backend (most of it is C, which torch.profiler does not see), the lm_head and sampling, and
+    the rest (the embedding lookup, tensor set-up, Python)."""
     engine = llm.engine
+    model = engine.runner.model
+    ops = model.ops
+    spent: dict[str, float] = dict.fromkeys((*PROFILED_KERNELS, "lm_head + logits", "sampling"), 0.0)
+    depth = [0]  # a call inside another timed one (the lm_head's linear) counts for the outer
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[name] += time.perf_counter() - start
+        return wrapper
+
+    import pdserve.runner as runner_module
+
+    patched = [(ops, name, getattr(ops, name)) for name in PROFILED_KERNELS if hasattr(ops, name)]
+    patched += [(model, "compute_logits", model.compute_logits), (runner_module, "sample", runner_module.sample)]
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -108,12 +136,29 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 8) -> str
     while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    try:
+        for owner, name, fn in patched:
+            label = {"compute_logits": "lm_head + logits", "sample": "sampling"}.get(name, name)
+            setattr(owner, name, timed(label, fn))
+        start = time.perf_counter()
         for _ in range(steps):
             engine.step()
+        total = time.perf_counter() - start
+    finally:
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
     while engine.has_unfinished_requests():
         engine.step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    rows = [(name, seconds) for name, seconds in spent.items() if seconds > 0]
+    rest = total - sum(seconds for _, seconds in rows)
+    lines = [f"decode step at batch {batch}, {prompt_len}+ tokens of context: "
+             f"{1e3 * total / steps:.1f} ms (mean of {steps} steps)",
+             f"{'where':<26}{'ms/step':>9}{'share':>8}"]
+    for name, seconds in rows:
+        label = "linear (30 layers x 4)" if name == "linear" else name
+        lines.append(f"{label:<26}{1e3 * seconds / steps:>9.2f}{seconds / total:>8.0%}")
+    lines.append(f"{'the rest (Python, setup)':<26}{1e3 * rest / steps:>9.2f}{rest / total:>8.0%}")
+    return "\n".join(lines)
 
 
 def run_offline_bench(args) -> dict:

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--hf-baseline", action="store_true",
                    help="also time Hugging Face transformers' generate at batch 1 (needs transformers)")
     o.add_argument("--profile", type=int, default=0, metavar="BATCH",
-                   help="also print a torch.profiler table of decode steps at this batch size")
+                   help="also print where a decode step's time goes (per kernel entry point) at this batch size")
     o.add_argument("--json", default=None, help="also write the results to this JSON file")
     o.set_defaults(func=cmd_bench_offline)
     from pdserve import bench_serve
