@@ -1,0 +1,122 @@
+"""Block gather/scatter between a paged KV pool and a contiguous buffer, in C (``block_copy.c``):
+each run of consecutive block ids is one memcpy.
+
+``gather_blocks``/``scatter_blocks`` have the reference's signatures (``ops.py`` exports them);
+``gather_blocks_into`` gathers into a given buffer (a KV transport's message buffer). Inputs the C
+code does not cover (not CPU, not contiguous, dtypes or block shapes that differ) and machines
+without a compiler go to torch's index_select/index_copy_.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import BuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("block_copy.c")
+
+BlockIds = torch.Tensor | Sequence[int]
+
+
+class BlockCopy:
+    """The C functions, with their signatures declared (``library()``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.gather = lib.pdserve_gather_blocks  # (out, pool, pool_blocks, ids, n, block_bytes)
+        self.gather.argtypes = [ptr, ptr, i64, ptr, i64, i64]
+        self.gather.restype = i64
+        self.scatter = lib.pdserve_scatter_blocks  # (pool, pool_blocks, buf, ids, n, block_bytes)
+        self.scatter.argtypes = [ptr, i64, ptr, ptr, i64, i64]
+        self.scatter.restype = i64
+
+
+@functools.cache
+def library() -> BlockCopy | None:
+    """The compiled functions, or None (after one warning) if they cannot be built here."""
+    try:
+        return BlockCopy(load_library(_SOURCE))
+    except BuildError as exc:
+        logger.warning("C block copy unavailable (%s); using index_select/index_copy_", exc)
+        return None
+
+
+def block_ids_tensor(block_ids: BlockIds) -> torch.Tensor:
+    """``block_ids`` as a contiguous int64 CPU tensor (what the C functions read)."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu")
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
+def native_ok(cache: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether the C copy covers ``cache`` (a pool) and ``buf`` (a contiguous run of blocks)."""
+    return (
+        cache.device.type == "cpu"
+        and buf.device.type == "cpu"
+        and cache.dtype == buf.dtype
+        and cache.dim() >= 1
+        and cache.shape[1:] == buf.shape[1:]
+        and cache.is_contiguous()
+        and buf.is_contiguous()
+    )
+
+
+def block_nbytes(cache: torch.Tensor) -> int:
+    """Bytes of one block of ``cache`` (``cache[i]``)."""
+    return math.prod(cache.shape[1:]) * cache.element_size()
+
+
+def _raise_bad(num_bad: int, cache: torch.Tensor) -> None:
+    raise IndexError(
+        f"{num_bad} block ids outside [0, {cache.shape[0]}) of a pool of {cache.shape[0]} blocks"
+    )
+
+
+def gather_blocks_into(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = cache[block_ids[i]]`` for every i; returns ``out`` ``[len(ids), *cache.shape[1:]]``."""
+    lib = library()
+    if lib is None or not native_ok(cache, out):
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        return torch.index_select(cache, 0, ids, out=out)
+    ids = block_ids_tensor(block_ids)
+    if out.shape[0] != ids.numel():
+        raise ValueError(f"out holds {out.shape[0]} blocks, block_ids name {ids.numel()}")
+    bad = lib.gather(
+        out.data_ptr(), cache.data_ptr(), cache.shape[0], ids.data_ptr(), ids.numel(),
+        block_nbytes(cache),
+    )
+    if bad:
+        _raise_bad(bad, cache)
+    return out
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """See ``reference.gather_blocks``."""
+    out = torch.empty((len(block_ids), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    return gather_blocks_into(cache, block_ids, out)
+
+
+def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor) -> None:
+    """See ``reference.scatter_blocks``: ``cache[block_ids[i]] = buf[i]``, in place."""
+    lib = library()
+    if lib is None or not native_ok(cache, buf):
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        cache.index_copy_(0, ids, buf.to(cache.dtype))
+        return
+    ids = block_ids_tensor(block_ids)
+    if buf.shape[0] != ids.numel():
+        raise ValueError(f"buf holds {buf.shape[0]} blocks, block_ids name {ids.numel()}")
+    bad = lib.scatter(
+        cache.data_ptr(), cache.shape[0], buf.data_ptr(), ids.data_ptr(), ids.numel(),
+        block_nbytes(cache),
+    )
+    if bad:
+        _raise_bad(bad, cache)
