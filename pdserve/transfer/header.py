@@ -12,6 +12,7 @@ of the transfer's block list the message carries (a whole prompt, or one chunk o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -134,18 +135,27 @@ class LayerHeader:
         token_id: int = -1,
         traceparent: str = "",
     ) -> LayerHeader:
-        return cls(
-            layout_hash=layout.compat_hash,
-            transfer_id=transfer_id,
-            layer=layer,
-            num_layers=layout.num_layers,
-            block_offset=block_offset,
-            num_blocks=num_blocks,
-            dtype=layout.dtype,
-            block_shape=layout.block_shape,
-            token_id=token_id,
-            traceparent=traceparent,
+        return cls._make(
+            layout.compat_hash,
+            transfer_id,
+            layer,
+            layout.num_layers,
+            block_offset,
+            num_blocks,
+            layout.dtype,
+            layout.block_shape,
+            token_id,
+            traceparent,
+            PROTOCOL_VERSION,
         )
+
+    @classmethod
+    def _make(cls, *values: object) -> LayerHeader:
+        """An instance from every field's value in order, without the dataclass ``__init__``'s
+        per-field ``object.__setattr__`` (a few microseconds, paid per message on both sides)."""
+        header = object.__new__(cls)
+        header.__dict__.update(zip(_FIELD_NAMES, values, strict=True))
+        return header
 
     def pack(self) -> bytes:
         """``HEADER_NBYTES`` bytes."""
@@ -169,7 +179,6 @@ class LayerHeader:
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> LayerHeader:
-        raw = bytes(raw[:HEADER_NBYTES])
         magic, version, _ = _PREFIX.unpack_from(raw)
         if magic != MAGIC:
             raise HeaderMismatchError(
@@ -185,22 +194,30 @@ class LayerHeader:
         )
         if code not in CODE_DTYPES:
             raise HeaderMismatchError(f"unknown KV dtype code {code} in message header")
-        return cls(
-            layout_hash=lhash.hex(),
-            transfer_id=tid,
-            layer=layer,
-            num_layers=nlayers,
-            block_offset=offset,
-            num_blocks=nblocks,
-            dtype=CODE_DTYPES[code],
-            block_shape=(bs, heads, hdim),
-            token_id=token,
-            traceparent=trace.rstrip(b"\0").decode("ascii"),
-            version=version,
+        return cls._make(
+            lhash.hex(),
+            tid,
+            layer,
+            nlayers,
+            offset,
+            nblocks,
+            CODE_DTYPES[code],
+            (bs, heads, hdim),
+            token,
+            trace.rstrip(b"\0").decode("ascii"),
+            version,
         )
 
     def check(self, layout: KVLayout) -> None:
         """Raise HeaderMismatchError unless this header fits ``layout``, naming what differs."""
+        if (
+            self.layout_hash == layout.compat_hash
+            and self.dtype == layout.dtype
+            and self.block_shape == layout.block_shape
+            and self.num_layers == layout.num_layers
+            and 0 <= self.layer < self.num_layers
+        ):
+            return  # the common case, without building the message's parts
         theirs = (_dtype_name(self.dtype), self.block_shape, self.num_layers)
         ours = (_dtype_name(layout.dtype), layout.block_shape, layout.num_layers)
         if self.layout_hash != layout.compat_hash or theirs != ours:
@@ -214,6 +231,9 @@ class LayerHeader:
             raise HeaderMismatchError(
                 f"layer {self.layer} out of range for {self.num_layers} layers"
             )
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(LayerHeader))
 
 
 def check_transfer_id(transfer_id: int) -> None:
@@ -306,3 +326,11 @@ def read_header(buf: torch.Tensor) -> LayerHeader:
     if head.is_cuda:
         head = head.cpu()
     return LayerHeader.unpack(head.numpy().data)
+
+
+def header_view(buf: torch.Tensor) -> memoryview | None:
+    """The header bytes of the CPU message buffer ``buf`` as a writable memoryview (made once per
+    buffer: ``LayerHeader.unpack`` reads it, ``pack`` output can be assigned to it), else None."""
+    if buf.is_cuda:
+        return None
+    return memoryview(buf.numpy())[:HEADER_NBYTES]

@@ -117,6 +117,7 @@ class RecvTransfer:
         self._on_layer = on_layer
         self._scheduler = scheduler
         self._blocks_landed = [0] * self.num_layers
+        self._full_nbytes = layout.message_nbytes(num_blocks)
         self._layers_complete = 0
         self._num_messages = 0
         self._nbytes = 0
@@ -161,17 +162,29 @@ class RecvTransfer:
     def layer_complete(self, layer: int) -> bool:
         return self._blocks_landed[layer] >= self.num_blocks
 
-    def deliver(self, buf: torch.Tensor, expected_layer: int | None = None) -> LayerHeader | None:
+    def deliver(
+        self,
+        buf: torch.Tensor,
+        expected_layer: int | None = None,
+        full_views: tuple[torch.Tensor, torch.Tensor] | None = None,
+        head: memoryview | None = None,
+    ) -> LayerHeader | None:
         """Check one received message in ``buf`` and hand its K and V to ``on_layer``.
+        Made beforehand, once per buffer, to spare the work per message: ``full_views``, K and V
+        of ``buf`` for a message of all ``num_blocks`` blocks (used when it is one); ``head``,
+        its header bytes (``header_view``).
 
         Fails the transfer (and returns None) on any mismatch or callback error."""
         if self.future.done():
             return None
         try:
-            header = read_header(buf)
+            header = read_header(buf) if head is None else LayerHeader.unpack(head)
             header.check(self.layout)
             self._check(header, expected_layer)
-            k, v = message_views(buf, header)
+            if full_views is not None and header.num_blocks == self.num_blocks:
+                k, v = full_views
+            else:
+                k, v = message_views(buf, header)
         except HeaderMismatchError as exc:
             self.fail(exc)
             return None
@@ -183,7 +196,11 @@ class RecvTransfer:
             self.fail(err)
             return None
         self._num_messages += 1
-        self._nbytes += self.layout.message_nbytes(header.num_blocks)
+        self._nbytes += (
+            self._full_nbytes
+            if header.num_blocks == self.num_blocks
+            else self.layout.message_nbytes(header.num_blocks)
+        )
         if header.token_id >= 0:
             self.token_id = header.token_id
         if header.traceparent and not self.traceparent:
@@ -203,19 +220,21 @@ class RecvTransfer:
         return header
 
     def _check(self, header: LayerHeader, expected_layer: int | None) -> None:
-        where = f"transfer {self.transfer_id} layer {header.layer}"
+        def where() -> str:  # made only for an error: this runs once per message
+            return f"transfer {self.transfer_id} layer {header.layer}"
+
         if header.transfer_id != self.transfer_id:
-            raise HeaderMismatchError(f"{where}: message belongs to transfer {header.transfer_id}")
+            raise HeaderMismatchError(f"{where()}: message belongs to transfer {header.transfer_id}")
         if expected_layer is not None and header.layer != expected_layer:
-            raise HeaderMismatchError(f"{where}: arrived under the tag of layer {expected_layer}")
+            raise HeaderMismatchError(f"{where()}: arrived under the tag of layer {expected_layer}")
         end = header.block_offset + header.num_blocks
         if header.num_blocks < 1 or end > self.num_blocks:
             raise HeaderMismatchError(
-                f"{where}: blocks [{header.block_offset}, {end}) outside the {self.num_blocks} "
+                f"{where()}: blocks [{header.block_offset}, {end}) outside the {self.num_blocks} "
                 "blocks reserved for this transfer"
             )
         if self._blocks_landed[header.layer] + header.num_blocks > self.num_blocks:
-            raise HeaderMismatchError(f"{where}: more blocks than reserved (duplicate message?)")
+            raise HeaderMismatchError(f"{where()}: more blocks than reserved (duplicate message?)")
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():

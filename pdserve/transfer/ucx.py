@@ -70,6 +70,8 @@ from pdserve.transfer.errors import HeaderMismatchError
 from pdserve.transfer.header import (
     KVLayout,
     LayerHeader,
+    check_transfer_id,
+    header_view,
     message_buffer_of,
     message_views,
     pack_address,
@@ -86,15 +88,65 @@ DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
 LAYER_BITS = 16
 ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << LAYER_BITS) - 1)
 CLOSE_PERIOD_NS = 100_000_000
+MAX_POOLED_PER_SIZE = 64
 
 
 def message_tag(transfer_id: int, layer: int) -> int:
     return (transfer_id << LAYER_BITS) | layer
 
 
+class _Message:
+    """A message buffer ``[header | K | V]`` and what is made of it once, not per message: the K
+    and V views for ``num_blocks`` blocks (None for a buffer of another size), ucxx's view of it,
+    and a writable view of its header (CPU). Pooled by ``_MessagePool``."""
+
+    __slots__ = ("buf", "num_blocks", "k", "v", "array", "head", "pooled")
+
+    def __init__(self, buf: torch.Tensor, num_blocks: int, k: Any, v: Any, pooled: bool) -> None:
+        self.buf, self.num_blocks, self.k, self.v, self.pooled = buf, num_blocks, k, v, pooled
+        self.array: Any = None
+        self.head = header_view(buf)
+
+    def write_header(self, header: LayerHeader) -> None:
+        if self.head is not None:
+            self.head[:] = header.pack()
+        else:
+            write_header(self.buf, header)
+
+
+class _MessagePool:
+    """Message buffers for ``layout``, reused: fresh memory costs page faults (~0.3 ms per MB
+    here), and their views cost ~10 us of Python per message to make. Any thread."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._free: dict[tuple[int, torch.device], list[_Message]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, num_blocks: int, device: torch.device) -> _Message:
+        with self._lock:
+            free = self._free.get((num_blocks, device))
+            if free:
+                return free.pop()
+        nbytes = self.layout.message_nbytes(num_blocks)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        k, v = message_views(buf, LayerHeader.for_layer(self.layout, 0, 0, num_blocks))
+        msg = _Message(buf, num_blocks, k, v, pooled=True)
+        k._pdserve_message = msg  # how send_layer knows its own buffers: no search, no checks
+        return msg
+
+    def give(self, msg: _Message) -> None:
+        if not msg.pooled:
+            return
+        with self._lock:
+            free = self._free.setdefault((msg.num_blocks, msg.buf.device), [])
+            if len(free) < MAX_POOLED_PER_SIZE:
+                free.append(msg)
+
+
 @dataclass(eq=False)
 class _Send:
-    buf: torch.Tensor
+    msg: _Message
     result: concurrent.futures.Future[None]
     deadline: float
     where: str
@@ -113,8 +165,7 @@ class _Slot:
     """One receive buffer of a transfer, for layers slot, slot + window, ..."""
 
     layer: int
-    buf: torch.Tensor
-    array: Any = None  # ucxx's view of buf, made once
+    msg: _Message
     request: Any = None
 
 
@@ -142,6 +193,7 @@ class UCXTransport(KVTransport):
         self._queue: collections.deque[tuple[UCXPeer, int, _Send]] = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_pending = False
+        self._messages = _MessagePool(layout)
         self._ucx = UCXWorkerThread({**DEFAULT_UCX_OPTIONS, **(ucx_options or {})}, self.device)
         self._address = pack_address(layout, bytes(self._ucx.worker.address))
 
@@ -182,10 +234,10 @@ class UCXTransport(KVTransport):
             raise TransferError("transport closed")
         if tid in self._recvs or tid in self._draining:
             raise ValueError(f"transfer id {tid} is in use (or was, less than a drain period ago)")
-        nbytes = self.layout.message_nbytes(transfer.num_blocks)
         window = min(self.recv_window, transfer.num_layers)
         slots = [
-            _Slot(layer, self._ucx.take_buffer(nbytes, self.device)) for layer in range(window)
+            _Slot(layer, self._messages.take(transfer.num_blocks, self.device))
+            for layer in range(window)
         ]
         self._recvs[tid] = (transfer, slots)
         transfer.start(self._recv_finished)
@@ -194,10 +246,11 @@ class UCXTransport(KVTransport):
 
     def _post_recv(self, transfer: RecvTransfer, slot: _Slot) -> None:
         ucx = self._ucx
-        if slot.array is None:
-            slot.array = ucx.array(slot.buf)
+        msg = slot.msg
+        if msg.array is None:
+            msg.array = ucx.array(msg.buf)
         tag = ucx.tag(message_tag(transfer.transfer_id, slot.layer))
-        slot.request = ucx.worker.tag_recv(slot.array, tag, ucx.TAG_MASK_FULL)
+        slot.request = ucx.worker.tag_recv(msg.array, tag, ucx.TAG_MASK_FULL)
         ucx.watch(slot.request, lambda exc: self._recv_done(transfer, slot, exc))
 
     def _recv_done(self, transfer: RecvTransfer, slot: _Slot, exc: BaseException | None) -> None:
@@ -205,7 +258,8 @@ class UCXTransport(KVTransport):
         if exc is not None:
             transfer.fail(self._recv_error(exc, transfer, slot.layer))
             return
-        transfer.deliver(slot.buf, expected_layer=slot.layer)
+        msg = slot.msg
+        transfer.deliver(msg.buf, slot.layer, (msg.k, msg.v), msg.head)
         if transfer.done():
             return
         if transfer.layer_complete(slot.layer):
@@ -213,7 +267,7 @@ class UCXTransport(KVTransport):
         if slot.layer < transfer.num_layers:
             self._post_recv(transfer, slot)  # the next layer, or the next chunk of this one
         else:
-            self._ucx.give_buffer(slot.buf)
+            self._messages.give(msg)
 
     def _recv_error(self, exc: BaseException, transfer: RecvTransfer, layer: int) -> TransferError:
         where = f"transfer {transfer.transfer_id} layer {layer}"
@@ -231,10 +285,10 @@ class UCXTransport(KVTransport):
         _, slots = self._recvs.pop(transfer.transfer_id, (None, []))
         for slot in slots:
             if slot.request is not None:  # still posted: cancel it
-                self._ucx.forget(slot.request, slot.buf)
+                self._ucx.forget(slot.request, slot.msg)
                 slot.request = None
             elif slot.layer < transfer.num_layers:
-                self._ucx.give_buffer(slot.buf)
+                self._messages.give(slot.msg)
         exc = transfer.future.exception()
         if exc is not None and not isinstance(exc, PeerUnreachableError):  # not from a dead one
             if not self._closed and self.drain_seconds > 0:
@@ -243,8 +297,7 @@ class UCXTransport(KVTransport):
     def _start_drain(self, transfer: RecvTransfer) -> None:
         """Take and drop late messages of a failed transfer, so that their senders complete."""
         tid = transfer.transfer_id
-        nbytes = self.layout.message_nbytes(transfer.num_blocks)
-        slot = _Slot(0, self._ucx.take_buffer(nbytes, self.device))
+        slot = _Slot(0, self._messages.take(transfer.num_blocks, self.device))
         self._draining[tid] = slot
         self._ucx.call_at(time.monotonic() + self.drain_seconds, self._stop_drain, tid)
         self._post_drain(tid, slot)
@@ -252,9 +305,9 @@ class UCXTransport(KVTransport):
     def _post_drain(self, tid: int, slot: _Slot) -> None:
         ucx = self._ucx
         tag, mask = ucx.tag(message_tag(tid, 0)), ucx.tag_mask(ANY_LAYER_MASK)
-        if slot.array is None:
-            slot.array = ucx.array(slot.buf)
-        slot.request = ucx.worker.tag_recv(slot.array, tag, mask)
+        if slot.msg.array is None:
+            slot.msg.array = ucx.array(slot.msg.buf)
+        slot.request = ucx.worker.tag_recv(slot.msg.array, tag, mask)
         ucx.watch(slot.request, lambda exc: self._drained(tid, slot))
 
     def _drained(self, tid: int, slot: _Slot) -> None:
@@ -265,7 +318,7 @@ class UCXTransport(KVTransport):
     def _stop_drain(self, tid: int) -> None:
         slot = self._draining.pop(tid, None)
         if slot is not None and slot.request is not None:
-            self._ucx.forget(slot.request, slot.buf)
+            self._ucx.forget(slot.request, slot.msg)
             slot.request = None
 
     # -- sender -------------------------------------------------------------------------------
@@ -290,8 +343,8 @@ class UCXTransport(KVTransport):
     def layer_buffers(
         self, num_blocks: int, device: str | torch.device = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = self._ucx.take_buffer(self.layout.message_nbytes(num_blocks), torch.device(device))
-        return message_views(buf, LayerHeader.for_layer(self.layout, 0, 0, num_blocks))
+        msg = self._messages.take(num_blocks, torch.device(device))
+        return msg.k, msg.v
 
     def send_layer(
         self,
@@ -303,22 +356,30 @@ class UCXTransport(KVTransport):
     ) -> concurrent.futures.Future[None]:
         if not isinstance(peer, UCXPeer):
             raise TypeError(f"peer handle {peer!r} was not made by UCXTransport.connect")
-        check_layer(self.layout, header, k, v)
+        msg = getattr(k, "_pdserve_message", None)  # gathered in place, into layer_buffers()?
+        if msg is not None and msg.v is v and msg.num_blocks == header.num_blocks >= 1:
+            header.check(self.layout)  # k and v are this layout's, made by layer_buffers
+            check_transfer_id(header.transfer_id)
+        else:
+            check_layer(self.layout, header, k, v)
+            msg = None
+            buf = message_buffer_of(k, v)  # into views of a message buffer made elsewhere?
+            if buf is not None:
+                msg = _Message(buf, header.num_blocks, None, None, pooled=False)
         if self._closed:
             raise TransferError("transport closed")
         if not peer.alive:
             raise PeerUnreachableError("peer was disconnected; connect again")
-        buf = message_buffer_of(k, v)  # gathered in place, into layer_buffers()?
-        if buf is not None:
-            write_header(buf, header)
+        if msg is not None:
+            msg.write_header(header)
         else:
-            buf = self._ucx.take_buffer(self.layout.message_nbytes(header.num_blocks), k.device)
-            write_message(buf, header, k, v)
-        if buf.is_cuda:
-            torch.cuda.current_stream(buf.device).synchronize()  # UCX knows no streams
+            msg = self._messages.take(header.num_blocks, k.device)
+            write_message(msg.buf, header, k, v)
+        if msg.buf.is_cuda:
+            torch.cuda.current_stream(msg.buf.device).synchronize()  # UCX knows no streams
         result: concurrent.futures.Future[None] = concurrent.futures.Future()
         where = f"transfer {header.transfer_id} layer {header.layer}"
-        send = _Send(buf, result, time.monotonic() + timeout, where)
+        send = _Send(msg, result, time.monotonic() + timeout, where)
         with self._queue_lock:
             self._queue.append((peer, message_tag(header.transfer_id, header.layer), send))
             wake, self._wake_pending = not self._wake_pending, True
@@ -340,7 +401,10 @@ class UCXTransport(KVTransport):
             send.result.set_exception(PeerUnreachableError(f"{send.where}: peer was disconnected"))
             return
         ucx = self._ucx
-        send.request = peer.endpoint.tag_send(ucx.array(send.buf), ucx.tag(tag))
+        msg = send.msg
+        if msg.array is None:
+            msg.array = ucx.array(msg.buf)
+        send.request = peer.endpoint.tag_send(msg.array, ucx.tag(tag))
         peer.pending.append(send)
         ucx.watch(send.request, lambda exc: self._send_done(peer, send, exc))
         if peer.timer is None or send.deadline < peer.timer.when:
@@ -352,7 +416,7 @@ class UCXTransport(KVTransport):
             return  # failed already, by a timeout or disconnect
         peer.pending.remove(send)
         if exc is None:
-            self._ucx.give_buffer(send.buf)
+            self._messages.give(send.msg)
             send.result.set_result(None)
             return
         err = PeerUnreachableError(f"{send.where}: send failed ({exc}); the receiver may be gone")
@@ -399,7 +463,7 @@ class UCXTransport(KVTransport):
             peer.endpoint = None
         for send in pending:  # closing the endpoint cancelled them; UCX may still hold buffers
             if send.request is not None:
-                self._ucx.forget(send.request, send.buf)
+                self._ucx.forget(send.request, send.msg)
                 send.request = None
         self._peers.discard(peer)
 

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 QUARANTINE_S = 10.0  # how long a cancelled request's buffer is kept, in case UCX still writes it
-MAX_POOLED_PER_SIZE = 64
 MAX_SLEEP_S = 1.0
 
 Completion = Callable[[BaseException | None], None]
@@ -67,8 +66,6 @@ class UCXWorkerThread:
         self._timers: list[Timer] = []
         self._seq = itertools.count()
         self._watched: list[tuple[Any, Completion]] = []
-        self._pool: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
-        self._pool_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -252,22 +249,6 @@ class UCXWorkerThread:
                 timer.fn(*timer.args)
                 ran = True
         return ran
-
-    # -- message buffers (any thread) ---------------------------------------------------------
-
-    def take_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A reused buffer where possible: fresh memory costs page faults (~0.3 ms per MB here)."""
-        with self._pool_lock:
-            free = self._pool.get((nbytes, device))
-            if free:
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def give_buffer(self, buf: torch.Tensor) -> None:
-        with self._pool_lock:
-            free = self._pool.setdefault((buf.numel(), buf.device), [])
-            if len(free) < MAX_POOLED_PER_SIZE:
-                free.append(buf)
 
 
 def _noop(*_: Any) -> None:
