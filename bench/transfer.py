@@ -1,15 +1,19 @@
 """KV transfer benchmark: one prompt's KV (all layers) from a sender process to a receiver process.
 
     .venv/bin/python bench/transfer.py [--tokens 512] [--reps 9] [--dtype float32 bfloat16]
+                                       [--ids random|allocator]
 
 Shapes default to the default model (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block 16).
 Two measurements per dtype, over UCX between two processes on loopback:
 
-  pool   KV pool to KV pool: the sender gathers each layer's blocks from its pools straight into
-         the transport's message buffers (``layer_buffers``) and pushes the layers back to back;
-         the receiver scatters each into different block ids of its pools (``index_copy_``).
+  pool   KV pool to KV pool, as the workers do it: the sender gathers each layer's blocks from its
+         pools straight into the transport's message buffers (``layer_buffers`` + ``gather_into``)
+         and pushes the layers back to back; the receiver scatters each into other block ids of
+         its pools (``scatter_into``).
   wire   the transport alone: layers gathered before the clock starts, received layers dropped.
 
+Block ids (``--ids``, both sides): ``random`` (default; the worst case, every block its own copy)
+or ``allocator`` (one run of consecutive blocks, as a fresh BlockAllocator hands them out).
 Seconds run from the first gather (pool) or send (wire) to the receiver's last ``on_layer``
 (CLOCK_MONOTONIC is shared by processes on one host); bytes count payload and 256-byte headers.
 Prints the median and range over ``--reps`` transfers after ``--warmup``.
@@ -21,15 +25,29 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
-import torch
+if not __package__:  # run as a file: bench/ is on sys.path and bench/kernels.py would shadow `kernels`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from pdserve.transfer import create_transport
-from pdserve.transfer.header import KVLayout
+import torch  # noqa: E402
+
+from pdserve.transfer import create_transport, gather_into, scatter_into  # noqa: E402
+from pdserve.transfer.header import KVLayout  # noqa: E402
 
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def _block_ids(pool: int, num_blocks: int, kind: str) -> torch.Tensor:
+    """``random``: any blocks of the pool (the worst case: every block its own memcpy);
+    ``allocator``: one run of consecutive blocks, as a fresh BlockAllocator hands them out."""
+    if kind == "random":
+        return torch.randperm(pool)[:num_blocks]
+    start = int(torch.randint(0, pool - num_blocks + 1, ()))
+    return torch.arange(start, start + num_blocks)
 
 
 def _receiver(
@@ -37,27 +55,25 @@ def _receiver(
     layout: KVLayout,
     num_blocks: int,
     pool: int,
-    recv_window: int,
-    ucx_options: dict[str, str],
+    args: argparse.Namespace,
 ) -> None:
     torch.set_num_threads(1)
     k_pools = [
         torch.zeros(pool, *layout.block_shape, dtype=layout.dtype) for _ in range(layout.num_layers)
     ]
     v_pools = [torch.zeros_like(p) for p in k_pools]
-    options = dict(recv_window=recv_window, ucx_options=ucx_options)
+    options = dict(recv_window=args.recv_window, ucx_options=args.ucx_options)
     with create_transport("ucx", layout, **options) as transport:
         conn.send(transport.address())
         while (msg := conn.recv()) is not None:
             transfer_id, scatter = msg
-            ids = torch.randperm(pool)[:num_blocks]
+            # what the decode worker does: scatter_into its reserved blocks
+            land = scatter_into(k_pools, v_pools, _block_ids(pool, num_blocks, args.ids))
             last = [0.0]
 
-            def on_layer(header, k, v, ids=ids, last=last, scatter=scatter):  # noqa: ANN001
+            def on_layer(header, k, v, land=land, last=last, scatter=scatter):  # noqa: ANN001
                 if scatter:
-                    sel = ids[header.block_offset : header.block_offset + header.num_blocks]
-                    k_pools[header.layer].index_copy_(0, sel, k)
-                    v_pools[header.layer].index_copy_(0, sel, v)
+                    land(header, k, v)
                 last[0] = time.monotonic()
 
             transfer = transport.expect(transfer_id, num_blocks, on_layer, timeout=30.0)
@@ -76,7 +92,7 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_receiver,
-        args=(child, layout, num_blocks, pool, args.recv_window, args.ucx_options),
+        args=(child, layout, num_blocks, pool, args),
         daemon=True,
     )
     proc.start()
@@ -91,23 +107,21 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
             for rep in range(args.warmup + args.reps):
                 parent.send((rep, mode == "pool"))
                 assert parent.recv() == "ready"
-                ids = torch.randperm(pool)[:num_blocks]
+                ids = _block_ids(pool, num_blocks, args.ids)
                 tx = transport.start_send(peer, rep, num_blocks, timeout=30.0)
                 gathered = []
                 if mode == "wire":
                     for layer in range(layout.num_layers):
                         k, v = tx.layer_buffers()
-                        torch.index_select(k_pools[layer], 0, ids, out=k)
-                        torch.index_select(v_pools[layer], 0, ids, out=v)
+                        gather_into(k_pools[layer], v_pools[layer], ids, k, v)
                         gathered.append((k, v))
                 start = time.monotonic()
                 for layer in range(layout.num_layers):
                     if mode == "wire":
                         k, v = gathered[layer]
-                    else:
+                    else:  # what the prefill worker does after each layer
                         k, v = tx.layer_buffers()
-                        torch.index_select(k_pools[layer], 0, ids, out=k)
-                        torch.index_select(v_pools[layer], 0, ids, out=v)
+                        gather_into(k_pools[layer], v_pools[layer], ids, k, v)
                     tx.send_layer(layer, k, v)
                 tx.wait()
                 landed, nbytes = parent.recv()
@@ -120,7 +134,7 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
             proc.kill()
     med = statistics.median(seconds)
     print(
-        f"ucx {mode:4s} {dtype:8s} {args.tokens} tokens x {layout.num_layers} layers: "
+        f"ucx {mode:4s} {dtype:8s} {args.ids} ids, {args.tokens} tokens x {layout.num_layers} layers: "
         f"{nbytes} bytes, median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
         f"(range {nbytes / max(seconds) / 1e9:.2f}-{nbytes / min(seconds) / 1e9:.2f} GB/s, "
         f"{len(seconds)} transfers)",
@@ -137,6 +151,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--mode", nargs="+", default=["pool", "wire"], choices=["pool", "wire"])
+    parser.add_argument(
+        "--ids", default="random", choices=["random", "allocator"],
+        help="block ids on both sides: random (worst case) or one run, as a fresh allocator's",
+    )
     parser.add_argument("--recv-window", type=int, default=8, help="receives posted per transfer")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)

@@ -15,6 +15,7 @@ from pdserve.transfer.base import (
     TransferError,
     TransferStats,
     TransferTimeoutError,
+    gather_into,
     scatter_into,
 )
 from pdserve.transfer.header import KVLayout, LayerHeader, kv_layout_hash
@@ -36,6 +37,7 @@ __all__ = [
     "TransferStats",
     "TransferTimeoutError",
     "create_transport",
+    "gather_into",
     "kv_layout_hash",
     "scatter_into",
 ]

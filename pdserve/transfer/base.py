@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kernels.cpu import block_copy
 from pdserve.transfer.errors import (
     HeaderMismatchError,
     PeerUnreachableError,
@@ -50,6 +51,7 @@ __all__ = [
     "TransferStats",
     "TransferTimeoutError",
     "check_layer",
+    "gather_into",
     "scatter_into",
 ]
 
@@ -152,6 +154,40 @@ class KVTransport(ABC):
         self.close()
 
 
+def gather_into(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Copy blocks ``block_ids`` of one layer's K and V pools into ``k`` and ``v`` (e.g. the
+    buffers of ``layer_buffers``): in C on CPU, a memcpy per run of consecutive ids
+    (kernels/cpu/block_copy.c), else ``index_select``. Pass ``block_ids`` as an int64 tensor to
+    spare a conversion per call."""
+    lib = block_copy.library()
+    if (
+        lib is not None
+        and isinstance(block_ids, torch.Tensor)
+        and block_ids.dtype == torch.int64
+        and block_ids.device.type == "cpu"
+        and block_ids.is_contiguous()
+        and block_copy.native_ok(k_pool, k)
+        and block_copy.native_ok(v_pool, v)
+        and k_pool.shape == v_pool.shape
+        and k.shape[0] == v.shape[0] == block_ids.numel()
+    ):  # the engine thread's case, once per layer: both in C, checked once
+        n, ids, pool_blocks = block_ids.numel(), block_ids.data_ptr(), k_pool.shape[0]
+        block_bytes = block_copy.block_nbytes(k_pool)
+        bad = lib.gather(k.data_ptr(), k_pool.data_ptr(), pool_blocks, ids, n, block_bytes)
+        bad += lib.gather(v.data_ptr(), v_pool.data_ptr(), pool_blocks, ids, n, block_bytes)
+        if bad:
+            raise IndexError(f"block ids outside [0, {pool_blocks}) of the sender's pools")
+        return
+    block_copy.gather_blocks_into(k_pool, block_ids, k)
+    block_copy.gather_blocks_into(v_pool, block_ids, v)
+
+
 def scatter_into(
     k_pools: Sequence[torch.Tensor],
     v_pools: Sequence[torch.Tensor],
@@ -159,7 +195,13 @@ def scatter_into(
     scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> LayerCallback:
     """An ``on_layer`` that writes each message into the receiver's own ``block_ids`` of the
-    per-layer pools. ``scatter(pool, ids, buf)`` defaults to ``pool.index_copy_(0, ids, buf)``."""
+    per-layer pools. ``scatter(pool, ids, buf)`` defaults to the C block copy for contiguous CPU
+    pools (a memcpy per run of consecutive ids: kernels/cpu/block_copy.c), else to
+    ``pool.index_copy_(0, ids, buf)``."""
+    if scatter is None:
+        native = _native_scatter(k_pools, v_pools, block_ids)
+        if native is not None:
+            return native
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=k_pools[0].device)
 
     def on_layer(header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -172,3 +214,50 @@ def scatter_into(
             scatter(v_pools[header.layer], sel, v)
 
     return on_layer
+
+
+def _native_scatter(
+    k_pools: Sequence[torch.Tensor],
+    v_pools: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+) -> LayerCallback | None:
+    """``scatter_into``'s callback as two C calls per message (it runs on the transport's
+    thread, once per message: checks that hold for the whole transfer are made here, once)."""
+    lib = block_copy.library()
+    first = k_pools[0]
+    if lib is None or first.device.type != "cpu" or len(k_pools) != len(v_pools):
+        return None
+    if not all(
+        p.device.type == "cpu" and p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape
+        for p in (*k_pools, *v_pools)
+    ):
+        return None
+    ids = block_copy.block_ids_tensor(block_ids)
+    ids_ptr, num_ids = ids.data_ptr(), ids.numel()
+    pool_blocks, block_bytes = first.shape[0], block_copy.block_nbytes(first)
+    dtype, block_shape = first.dtype, first.shape[1:]
+    scatter = lib.scatter
+
+    def on_layer(header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, n = header.block_offset, header.num_blocks
+        if start + n > num_ids:
+            raise IndexError(f"blocks [{start}, {start + n}) beyond the {num_ids} block ids given")
+        if not (
+            k.dtype == dtype == v.dtype
+            and k.shape[1:] == block_shape == v.shape[1:]
+            and k.shape[0] == n == v.shape[0]
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and k.device.type == "cpu" == v.device.type
+        ):
+            sel = ids[start : start + n]
+            k_pools[header.layer].index_copy_(0, sel, k.to(dtype))
+            v_pools[header.layer].index_copy_(0, sel, v.to(dtype))
+            return
+        at = ids_ptr + start * 8  # int64 ids
+        bad = scatter(k_pools[header.layer].data_ptr(), pool_blocks, k.data_ptr(), at, n, block_bytes)
+        bad += scatter(v_pools[header.layer].data_ptr(), pool_blocks, v.data_ptr(), at, n, block_bytes)
+        if bad:
+            raise IndexError(f"block ids outside [0, {pool_blocks}) of the receiver's pools")
+
+    return on_layer  # its closure keeps ``ids`` (and so ids_ptr) alive

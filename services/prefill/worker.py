@@ -1,9 +1,10 @@
 """PrefillWorker: batched, chunked prefill whose KV is pushed layer by layer while the model runs.
 
 In the engine thread, after layer i of a forward that completes a prompt, that prompt's blocks of
-layer i are gathered (a copy) and handed to the transport, which sends them while layer i+1
-computes. The last layer waits for sampling so that the first token rides in its header. The
-prompt's own blocks are freed by the engine right after the step: the gathers have copied them.
+layer i are gathered (a copy, into one of the transport's message buffers) and handed to the
+transport, which sends them while layer i+1 computes. The last layer waits for sampling so that
+the first token rides in its header. The prompt's own blocks are freed by the engine right after
+the step: the gathers have copied them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
-from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats
+from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats, gather_into
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Destination:
 class _Send:
     tx: SendTransfer
     num_blocks: int
+    block_ids: torch.Tensor | None = None  # the prompt's blocks in this step's pools, int64
     last_layer: tuple[torch.Tensor, torch.Tensor] | None = None
     error: BaseException | None = None
     submitted: float = 0.0  # perf_counter when handed to the engine
@@ -158,11 +160,13 @@ class PrefillWorker:
                 send.scheduled, send.batch_size = time.perf_counter(), len(batch.prefills)
             if send.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 continue
-            ids = torch.tensor(seq.block_table[: send.num_blocks], device=k_cache.device)
-            # Gather straight into the transport's message buffers: sent without another copy.
+            if layer == 0 or send.block_ids is None:  # then the same blocks for every layer
+                send.block_ids = torch.tensor(seq.block_table[: send.num_blocks], dtype=torch.long,
+                                              device=k_cache.device)
+            # Gather straight into the transport's message buffers: sent without another copy
+            # (in C on CPU, a memcpy per run of consecutive blocks).
             k, v = send.tx.layer_buffers()
-            torch.index_select(k_cache, 0, ids, out=k)
-            torch.index_select(v_cache, 0, ids, out=v)
+            gather_into(k_cache, v_cache, send.block_ids, k, v)
             if layer == self._num_layers - 1:
                 send.last_layer = (k, v)  # goes out with the first token, after sampling
                 continue

@@ -42,9 +42,13 @@ def layer_kv(
     return k, v
 
 
-def block_ids(pool_blocks: int, num_blocks: int, seed: int) -> torch.Tensor:
-    """Distinct block ids for one side of a transfer (different seeds: different ids)."""
+def block_ids(pool_blocks: int, num_blocks: int, seed: int, run: bool = False) -> torch.Tensor:
+    """Distinct block ids for one side of a transfer (different seeds: different ids); with
+    ``run``, consecutive ones, as a fresh allocator hands them out."""
     gen = torch.Generator().manual_seed(seed)
+    if run:
+        start = int(torch.randint(0, pool_blocks - num_blocks + 1, (), generator=gen))
+        return torch.arange(start, start + num_blocks)
     return torch.randperm(pool_blocks, generator=gen)[:num_blocks]
 
 
@@ -106,7 +110,7 @@ def stop(proc: mp.Process) -> None:
 
 def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
     """Receive transfers on command, scatter them into this process's own block ids, and report
-    ("done", tid, mismatches, stats) or ("failed", tid, error type, message)."""
+    ("done", tid, mismatches, bytes, block ids) or ("failed", tid, error type, message)."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -114,9 +118,11 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
         with lock:
             conn.send(msg)
 
-    def run(transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float) -> None:
+    def run(
+        transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float, run: bool = False
+    ) -> None:
         pools = Pools(layout, pool_blocks)
-        ids = block_ids(pool_blocks, num_blocks, seed + 7919)
+        ids = block_ids(pool_blocks, num_blocks, seed + 7919, run)
         transfer = transport.expect(tid, num_blocks, scatter_into(pools.k, pools.v, ids), timeout)
         reply(("expecting", tid))
         try:
@@ -124,7 +130,7 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
         except TransferError as exc:
             reply(("failed", tid, type(exc).__name__, str(exc)))
         else:
-            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes))
+            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes, ids.tolist()))
 
     try:
         with create_transport("ucx", layout) as transport:

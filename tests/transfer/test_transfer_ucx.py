@@ -18,6 +18,7 @@ from pdserve.transfer import (
     PeerUnreachableError,
     TransferTimeoutError,
     create_transport,
+    gather_into,
     scatter_into,
 )
 from pdserve.transfer.header import pack_address, unpack_address
@@ -43,8 +44,9 @@ class RemoteReceiver:
         self.address = reply[1]
         self.replies: dict[int, tuple] = {}
 
-    def expect(self, tid: int, seed: int, timeout: float = 20.0) -> None:
-        self.conn.send((tid, NUM_BLOCKS, seed, timeout))
+    def expect(self, tid: int, seed: int, timeout: float = 20.0, run: bool = False) -> None:
+        """``run``: into consecutive block ids (else random ones)."""
+        self.conn.send((tid, NUM_BLOCKS, seed, timeout, run))
         self.result(tid, "expecting")
 
     def result(self, tid: int, kind: str = "result") -> tuple:
@@ -101,9 +103,33 @@ def test_30_layers_of_a_512_token_prompt_land_byte_exact(
     source = Source(sender, sender.connect(receiver.address), tid, seed=tid)
     source.send(range(30))
     stats = source.tx.wait()
-    kind, _, mismatches, nbytes = receiver.result(tid)
+    kind, _, mismatches, nbytes, _ = receiver.result(tid)
     assert (kind, mismatches) == ("done", [])
     assert nbytes == stats.nbytes == 30 * sender.layout.message_nbytes(NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_in_one_run_on_both_sides_land_byte_exact(
+    senders: dict, receivers: dict, dtype: torch.dtype
+) -> None:
+    """As workers with fresh allocators do it: the prefill side gathers one run of blocks per
+    layer (gather_into), the decode side lands each message in one run of its own
+    (scatter_into): a copy per pool in C."""
+    sender, receiver = sender_for(senders, dtype), receiver_for(receivers, dtype)
+    tid = next(_ids)
+    receiver.expect(tid, seed=tid, run=True)
+    pools = Pools(sender.layout, POOL_BLOCKS)
+    ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, run=True)
+    pools.fill(ids, seed=tid)
+    tx = sender.start_send(sender.connect(receiver.address), tid, NUM_BLOCKS, timeout=20.0)
+    for layer in range(30):
+        k, v = tx.layer_buffers()
+        gather_into(pools.k[layer], pools.v[layer], ids, k, v)
+        tx.send_layer(layer, k, v)
+    tx.wait()
+    kind, _, mismatches, _, landed_ids = receiver.result(tid)
+    assert (kind, mismatches) == ("done", [])
+    assert landed_ids == list(range(landed_ids[0], landed_ids[0] + NUM_BLOCKS))
 
 
 def test_four_concurrent_transfers_do_not_mix(senders: dict, receivers: dict) -> None:
