@@ -49,20 +49,24 @@ def _load(source: Path, what: str) -> ctypes.CDLL | None:
         return None
 
 
+def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of a library built from paged_attention.c."""
+    fn = lib.pdserve_paged_decode_attention
+    fn.argtypes = (
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int32] * 2
+    )
+    fn.restype = ctypes.c_int
+    if lib.pdserve_paged_attention_native():
+        fn = lib.pdserve_prefill_attention_bf16
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int32]
+        fn.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = _load(_SOURCE, "paged attention")
-    if lib is not None:
-        fn = lib.pdserve_paged_decode_attention
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] + [ctypes.c_int32] * 2
-        )
-        fn.restype = ctypes.c_int
-        if lib.pdserve_paged_attention_native():
-            fn = lib.pdserve_prefill_attention_bf16
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int32]
-            fn.restype = ctypes.c_int
-    return lib
+    return None if lib is None else declare_attention(lib)
 
 
 def linear_function(lib: ctypes.CDLL) -> Callable[..., int]:
@@ -144,22 +148,26 @@ def attention_bf16_native() -> bool:
     return lib is not None and bool(lib.pdserve_paged_attention_native())
 
 
+def declare_fused(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of a library built from fused.c."""
+    lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
+        ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
+    lib.pdserve_rms_norm.restype = None
+    lib.pdserve_rope_write_kv.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+    lib.pdserve_rope_write_kv.restype = ctypes.c_int
+    lib.pdserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+        ctypes.c_int32, ctypes.c_int32]
+    lib.pdserve_silu_mul.restype = None
+    return lib
+
+
 @functools.cache
 def _fused_library() -> ctypes.CDLL | None:
     lib = _load(_FUSED_SOURCE, "fused elementwise")
-    if lib is not None:
-        lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
-            ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
-        lib.pdserve_rms_norm.restype = None
-        lib.pdserve_rope_write_kv.argtypes = (
-            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-             ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-            + [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
-        lib.pdserve_rope_write_kv.restype = ctypes.c_int
-        lib.pdserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
-            ctypes.c_int32, ctypes.c_int32]
-        lib.pdserve_silu_mul.restype = None
-    return lib
+    return None if lib is None else declare_fused(lib)
 
 
 def native_available() -> bool:
