@@ -201,22 +201,26 @@ class UCXWorkerThread:
             if self._calls or self._stopping:
                 return
             self._sleeping = True
+        events: list[tuple[int, int]] = []
         try:
             if self.worker.arm():  # no UCX events pending: sleep until one, or a call, or a timer
                 timeout = MAX_SLEEP_S
                 if self._timers:
                     timeout = min(max(self._timers[0].when - time.monotonic(), 0.0), timeout)
-                poller.poll(timeout)
+                events = poller.poll(timeout)
         finally:
             with self._lock:
                 self._sleeping = False
-        try:
-            while os.read(self._wake_r, 4096):
+        if any(fd == self._wake_r for fd, _ in events):  # else leave it: it stays readable
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
 
     def _run_calls(self) -> bool:
+        if not self._calls:  # most steps (a call appended meanwhile is seen before sleeping)
+            return False
         with self._lock:
             calls, self._calls = self._calls, collections.deque()
         for fn, args in calls:
@@ -241,6 +245,8 @@ class UCXWorkerThread:
         return True
 
     def _run_timers(self) -> bool:
+        if not self._timers:
+            return False
         now = time.monotonic()
         ran = False
         while self._timers and self._timers[0].when <= now:
