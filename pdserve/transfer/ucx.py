@@ -34,11 +34,14 @@ Failures, each tried here with processes on loopback and SIGKILL:
   * not tried (a window of microseconds): a receiver dying between its answer and the sender's
     write; with put_zcopy that write now happens in the sender, as the read did in the receiver.
 
-Throughput (bench/transfer.py, 512-token prompt of the default model, 30 layers, two processes
-on a 2-vCPU VM shared with other work; medians of runs): 1.8-3.6 GB/s fp32 and 1.6-3.0 GB/s
-bf16 from gathered buffers to landed messages; KV pool to KV pool (gather and scatter included)
-1.1-1.8 GB/s fp32 and 0.7-1.0 GB/s bf16.
-Per message there is ~100 us of Python on each side, and CMA copies ran at ~3-5 GB/s here.
+Throughput (bench/transfer.py --dtype bfloat16 float32 --reps 30: 512-token prompt of the default
+model, 30 layers, two processes on 2 vCPUs of an AMD EPYC Zen 4 VM; medians of 4 runs): KV pool to
+KV pool (gather and scatter included) 1.9 GB/s bf16 and 2.6 GB/s fp32 with random block ids, 2.1
+and 3.0 GB/s with one run of blocks on each side; the wire alone (gathered buffers to landed
+messages) 3.3 GB/s bf16 and 4.6 GB/s fp32. Per message there is ~20-30 us of Python on each side
+(pooled buffers with their views, ucxx arrays and header views made once); the CMA copy of the
+rendezvous took ~2 ms of the sender's UCX thread per bf16 transfer (~1 ms with nothing else
+running), the rest being the gather, the scatter and waking up (docs/benchmarks.md).
 
 Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
 (cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
