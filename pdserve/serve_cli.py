@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,8 +107,17 @@ def _cpu_sets(n: int) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(n)]
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args) -> int:
-    """Gateway + prefill + decode workers on loopback; Ctrl-C stops them all."""
+    """Gateway + prefill + decode workers on loopback; Ctrl-C (SIGINT) or SIGTERM stops them all.
+
+    The handlers are installed explicitly: a shell starts a background job (``pdserve up &`` in a
+    script) with SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])
     if args.otlp_endpoint:
         observe += ["--otlp-endpoint", args.otlp_endpoint]

@@ -1,0 +1,55 @@
+"""``pdserve up`` as a script starts it (``pdserve up &``): it serves, and one SIGINT stops it and
+every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from pdserve import Client, SamplingParams
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint_ignored():
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    # A non-interactive shell starts background jobs with SIGINT ignored; so does this.
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--kv-cache-bytes", "256M",
+         "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        address = None
+        for line in up.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
+            if line.startswith("pdserve is up: gateway at "):
+                address = line.split()[5]
+                break
+        assert address, f"pdserve up exited with {up.wait()} before it was up"
+        with Client(address, timeout=120) as client:
+            out = client.complete("What is the capital of France?", SamplingParams(max_tokens=8, temperature=0))
+        assert len(out.token_ids) > 0
+        workers = _children(up.pid)
+        assert len(workers) == 3  # gateway, prefill, decode
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+        assert not [p for p in workers if _alive(p)]  # `up` waited for each before it exited
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
