@@ -1,9 +1,10 @@
 """Compile a C kernel source once per machine into a cached shared library and load it.
 
-The library lands in ``envs.cache_dir()/kernels/<key>/<name>.so`` where the key hashes the source,
-the flags, the compiler's version and the machine (``-march=native`` code runs only where it was
-built). Compilation writes a temporary file in the same folder and ``os.replace``s it into place,
-so processes racing to build the same library each produce a complete file and the last one wins.
+The library lands in ``envs.cache_dir()/kernels/<key>/<name>.so`` where the key hashes the source
+and the headers beside it, the flags, the compiler's version and the machine (``-march=native``
+code runs only where it was built). Compilation writes a temporary file in the same folder and
+``os.replace``s it into place, so processes racing to build the same library each produce a
+complete file and the last one wins.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _library_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), version.encode()):
         key.update(part)
         key.update(b"\0")
     key.update(_machine_id().encode())

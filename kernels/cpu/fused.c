@@ -136,6 +136,7 @@ ROW_FUNCTIONS(bf16, uint16_t, bf16_to_f32, to_bf16, round_bf16)
  * zero). The compiler's vectorization of the loops above ran these 2-4x slower on a Zen 4.
  */
 #include <immintrin.h>
+#include "exp512.h"
 #define FUSED_AVX512 1
 
 static inline __mmask16 tail_mask(int64_t left) {
@@ -178,22 +179,10 @@ static void rms_norm_row_bf16_avx512(const uint16_t *restrict x, uint16_t *restr
     }
 }
 
-/* exp for any x, 16 lanes (Cephes expf as exp_any): inf above ln(FLT_MAX), as expf. */
+/* exp for any x, 16 lanes (as exp_any): inf above ln(FLT_MAX), as expf. */
 static inline __m512 exp16(__m512 x) {
     const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.72283f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_mask_blend_ps(over, _mm512_scalef_ps(y, n), _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(over, exp16_clamped(x, -87.3f, 88.72283f), _mm512_set1_ps(INFINITY));
 }
 
 static void silu_mul_row_bf16_avx512(const uint16_t *restrict gate, const uint16_t *restrict up,

@@ -300,6 +300,7 @@ static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, cons
  * The next tile's K and V rows are prefetched while one runs: blocks sit anywhere in the pool.
  */
 #define ATTN_NATIVE 1
+#include "exp512.h"
 #define ATTN_UNROLL _Pragma("GCC unroll 16")
 
 /* z[4 * c + r] = sum of every lane of a[4 * r + c], for c, r < 4 (as in linear.c). */
@@ -322,19 +323,7 @@ static inline __m512 reduce16_ps(const __m512 a[16]) {
 /* exp(x) for x <= 0, as exp8_nonpos, 16 lanes; x < -87 (and -inf) -> 0. */
 static inline __m512 exp16_nonpos(__m512 x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+    return _mm512_maskz_mov_ps(keep, exp16_clamped(x, -87.0f, 0.0f));
 }
 
 /* 16 bf16 -> 16 fp32 (bf16 is the top half of an fp32). */

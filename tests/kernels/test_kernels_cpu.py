@@ -211,3 +211,17 @@ def test_portable_bf16_paths_without_avx512_bf16(tmp_path, monkeypatch, paged_ca
     want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, 9, caches[0], caches[1], slots)
     assert torch.equal(ops.rope_write_kv(qkv, positions, cos, sin, 9, caches[2], caches[3], slots), want_q)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@needs_compiler
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    """The cache key covers the headers a kernel includes, not only its .c file."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.h").write_text("static int value(void) { return 1; }\n")
+    (src / "k.c").write_text('#include "k.h"\nint pdserve_value(void) { return value(); }\n')
+    assert build.load_library(src / "k.c").pdserve_value() == 1
+    (src / "k.h").write_text("static int value(void) { return 2; }\n")
+    assert build.load_library(src / "k.c").pdserve_value() == 2
+    assert len(list((tmp_path / "cache").glob("kernels/*/k.so"))) == 2
