@@ -7,7 +7,7 @@ write/transfer ops (sections prefill, copies).
 
 linear: every projection of the default model (30 layers of qkv, o, gate_up, down, and the
 lm_head), each layer's weights distinct so caches do not flatter, for a few rows of x: the C
-kernel (ops.linear) vs torch's F.linear, ms per step and GB/s of weights read.
+kernel (gemm.linear) vs torch's F.linear, ms per step and GB/s of weights read.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import reference  # noqa: E402
-from kernels.cpu import ops  # noqa: E402
+from kernels.cpu import gemm, ops  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -198,9 +198,9 @@ def bench_linear(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
         x0, w0 = xs[weights[0].shape[1]], weights[0]
-        times: dict[Callable, list[float]] = {ops.linear: [], F.linear: []}
-        with mock.patch.dict(ops.LINEAR_MAX_ROWS, {dtype: m}):  # the C kernel whatever m
-            err = (ops.linear(x0, w0).double() - F.linear(x0, w0).double()).abs().max().item()
+        times: dict[Callable, list[float]] = {gemm.linear: [], F.linear: []}
+        with mock.patch.dict(gemm.LINEAR_MAX_ROWS, {dtype: m}):  # the C kernel whatever m
+            err = (gemm.linear(x0, w0).double() - F.linear(x0, w0).double()).abs().max().item()
             for _ in range(repeats + 1):  # the first round warms up
                 for fn, ms in times.items():
                     start = time.perf_counter()
@@ -215,8 +215,8 @@ def bench_linear(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
             f"torch {torch_ms:7.1f} ms {weight_gb / torch_ms * 1e3:5.1f} GB/s   "
             f"C/torch {c_ms / torch_ms:4.2f}   max|C - torch| {err:.1e}"
         )
-    packed = dtype == torch.bfloat16 and ops._packing() is not None
-    threshold = "packed weights: C at every M" if packed else f"ops.LINEAR_MAX_ROWS: {ops.LINEAR_MAX_ROWS.get(dtype)}"
+    packed = dtype == torch.bfloat16 and gemm._packing() is not None
+    threshold = "packed weights: C at every M" if packed else f"gemm.LINEAR_MAX_ROWS: {gemm.LINEAR_MAX_ROWS.get(dtype)}"
     print(f"  linear {name:8s} {weight_gb * 1e3:.0f} MB of weights; C faster at M={c_faster} ({threshold})")
 
 
@@ -237,7 +237,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(
         f"torch {torch.__version__}, {args.threads} threads, C kernels: "
-        f"attention {ops.native_available()}, linear {ops.linear_available()}"
+        f"attention {ops.native_available()}, linear {gemm.linear_available()}"
     )
     dtypes = (torch.float32, torch.bfloat16)
     for dtype in dtypes if "attention" in sections else ():

@@ -7,6 +7,12 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 - ``prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> out``
 - ``gather_blocks(cache, block_ids) -> buf`` / ``scatter_blocks(cache, block_ids, buf)``
 - ``linear(x, weight, bias=None) -> y`` (``x @ weight.T + bias``, the model's projections)
+- ``rms_norm(x, weight, eps, residual=None) -> (out, residual)``,
+  ``rope_write_kv(qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping) -> q``,
+  ``silu_mul(gate_up) -> out`` (a decoder layer's small per-token ops)
+
+A backend may also have ``prepack_linear(weight)`` (the model loader calls it for every
+projection, to make the backend's own weight layout before the first request).
 
 ``get_backend(device)`` picks the implementation for a device:
 
@@ -14,8 +20,8 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 device    backend                                     falls back to reference when
 ========  ==========================================  =====================================
 cuda      ``kernels.triton`` (Triton kernels)         triton is not installed
-cpu       ``kernels.cpu`` (C decode kernel + SDPA,    the C kernel cannot build (per call)
-          C linear for a few rows of x)
+cpu       ``kernels.cpu`` (C kernels; SDPA for         the C kernel cannot build, or does
+          prefill where they have no path)            not cover the inputs (per call)
 other     ``kernels.reference``
 ========  ==========================================  =====================================
 

@@ -156,7 +156,10 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
         total = time.perf_counter() - start
     finally:
         for owner, name, fn in patched:
-            setattr(owner, name, fn)
+            if owner is model:  # an instance attribute shadowed the method: drop it
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
     while engine.has_unfinished_requests():
         engine.step()
     rows = [(name, seconds) for name, seconds in spent.items() if seconds > 0]

@@ -1,19 +1,15 @@
-"""CPU backend: C kernels for paged decode attention, the model's linears and its small fused
-ops (RMSNorm, RoPE + KV write, SiLU-mul), SDPA-based prefill (see ``ops.py``)."""
+"""CPU backend: C kernels for paged attention (``ops.py``), the model's projections (``gemm.py``)
+and its small fused per-token ops (``fused.py``), all with the reference's signatures."""
 
+from kernels.cpu.fused import rms_norm, rope_write_kv, silu_mul
+from kernels.cpu.gemm import linear, linear_available, prepack_linear
 from kernels.cpu.ops import (
     attention_bf16_native,
     gather_blocks,
-    linear,
-    linear_available,
     native_available,
     paged_decode_attention,
     prefill_attention,
-    prepack_linear,
-    rms_norm,
-    rope_write_kv,
     scatter_blocks,
-    silu_mul,
     write_kv,
 )
 

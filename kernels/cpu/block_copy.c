@@ -73,30 +73,33 @@ static int64_t run_length(const int64_t *ids, int64_t i, int64_t n) {
     return j - i;
 }
 
-int64_t pdserve_gather_blocks(char *out, const char *pool, int64_t pool_blocks, const int64_t *ids,
-                              int64_t n, int64_t block_bytes) {
+/* Block i of buf <-> block ids[i] of pool, one copy per run; to_pool picks the direction (and
+ * the streaming copy). Returns the number of ids out of range; copies nothing unless it is 0. */
+static int64_t copy_runs(char *pool, int64_t pool_blocks, char *buf, const int64_t *ids,
+                         int64_t n, int64_t block_bytes, int to_pool) {
     int64_t bad = count_bad(ids, n, pool_blocks);
     if (bad)
         return bad;
     for (int64_t i = 0; i < n;) {
-        int64_t len = run_length(ids, i, n);
-        memcpy(out + i * block_bytes, pool + ids[i] * block_bytes, (size_t)(len * block_bytes));
+        const int64_t len = run_length(ids, i, n);
+        char *p = pool + ids[i] * block_bytes, *b = buf + i * block_bytes;
+        if (to_pool)
+            copy_streaming(p, b, (size_t)(len * block_bytes));
+        else
+            memcpy(b, p, (size_t)(len * block_bytes));
         i += len;
     }
+    if (to_pool)
+        streaming_done();
     return 0;
+}
+
+int64_t pdserve_gather_blocks(char *out, const char *pool, int64_t pool_blocks, const int64_t *ids,
+                              int64_t n, int64_t block_bytes) {
+    return copy_runs((char *)pool, pool_blocks, out, ids, n, block_bytes, 0);
 }
 
 int64_t pdserve_scatter_blocks(char *pool, int64_t pool_blocks, const char *buf, const int64_t *ids,
                                int64_t n, int64_t block_bytes) {
-    int64_t bad = count_bad(ids, n, pool_blocks);
-    if (bad)
-        return bad;
-    for (int64_t i = 0; i < n;) {
-        int64_t len = run_length(ids, i, n);
-        copy_streaming(pool + ids[i] * block_bytes, buf + i * block_bytes,
-                       (size_t)(len * block_bytes));
-        i += len;
-    }
-    streaming_done();
-    return 0;
+    return copy_runs(pool, pool_blocks, (char *)buf, ids, n, block_bytes, 1);
 }

@@ -24,6 +24,9 @@
  *
  * AVX2+FMA intrinsics where the compiler targets them (-march=native); otherwise a plain C loop
  * with the same tiling, correct but not fast: pdserve_linear_simd() tells the caller which.
+ *
+ * Where the CPU has AVX512-BF16 there is a second kernel, for bf16 only and any number of rows:
+ * pdserve_linear_packed on weights packed once by pdserve_pack_bf16 (below).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -222,12 +225,9 @@ static void rows(const Problem *p, int64_t n0, int64_t n1, float *wbuf) {
  * block's 4 registers of 16 pairs and multiplies each with the dword (x[m][2kp], x[m][2kp+1])
  * broadcast (vdpbf16ps with an embedded broadcast): 24 accumulators of 16 finished outputs, 4
  * loads and 6 broadcasts per 24 instructions, the weights read front to back. Measured on the
- * 2-core Zen 4 against the unpacked tiles above: see ops.py (LINEAR_PACKED_*).
+ * 2-core Zen 4 against torch's F.linear: see gemm.py.
  */
 #define PMR 6  /* rows of x per micro-tile */
-#ifndef PACKED_PREFETCH
-#define PACKED_PREFETCH 1
-#endif
 #define PNB 64 /* outputs per block */
 
 int64_t pdserve_packed_words(int64_t N, int64_t K) {
@@ -262,10 +262,8 @@ static inline __attribute__((always_inline)) void packed_tile(
     for (int64_t kp = 0; kp < kps; kp++) {
         __m512bh w[4];
         UNROLL for (int c = 0; c < 4; c++) w[c] = (__m512bh)_mm512_loadu_si512(wb + kp * PNB + 16 * c);
-#if PACKED_PREFETCH
         /* the next block into L2 (into L1 it would evict this block): 1.03x, every pass */
         if (next) UNROLL for (int c = 0; c < 4; c++) _mm_prefetch(next + kp * PNB * 4 + 64 * c, _MM_HINT_T1);
-#endif
         UNROLL for (int r = 0; r < PMR; r++) {
             if (r >= mr) break;
             const uint16_t *xr = x + r * K;

@@ -326,12 +326,6 @@ static inline __m512 exp16_nonpos(__m512 x) {
     return _mm512_maskz_mov_ps(keep, exp16_clamped(x, -87.0f, 0.0f));
 }
 
-/* 16 bf16 -> 16 fp32 (bf16 is the top half of an fp32). */
-static inline __m512 widen16(const uint16_t *p) {
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
 #define TOK 16 /* tokens per tile: one register of scores */
 
 /* scores[t] = scale * q . k[t] for t < TOK (rows[t] valid for every t), one query head. */

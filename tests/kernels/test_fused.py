@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu import ops
+from kernels.cpu import fused
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None or ops._fused_library() is None,
+    shutil.which("cc") is None or fused._fused_library() is None,
     reason="the fused C kernels did not build here; the CPU backend uses the reference",
 )
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -27,7 +27,7 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 def no_reference(monkeypatch):
     """Fail if ops falls back to the reference: proves the C kernel produced the result."""
     for name in ("rms_norm", "rope_write_kv", "silu_mul"):
-        monkeypatch.setattr(ops.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back"))
+        monkeypatch.setattr(fused.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back"))
 
 
 def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, share: float, ulps: int = 1) -> None:
@@ -53,10 +53,10 @@ def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
     want, want_residual = reference.rms_norm(x, weight, 1e-5, residual.clone())
     want_plain, _ = reference.rms_norm(x, weight, 1e-5)
     no_reference(monkeypatch)
-    got_plain, passed_on = ops.rms_norm(x, weight, 1e-5)
+    got_plain, passed_on = fused.rms_norm(x, weight, 1e-5)
     assert passed_on is x
     assert_within_ulps(got_plain, want_plain, 0.01, ulps=2)
-    got, got_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    got, got_residual = fused.rms_norm(x, weight, 1e-5, residual)
     assert got_residual is residual  # updated in place
     assert torch.equal(got_residual, want_residual)  # one rounded add: exact
     assert_within_ulps(got, want, 0.01, ulps=2)
@@ -78,7 +78,7 @@ def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
     caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
     want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots)
     no_reference(monkeypatch)
-    got_q = ops.rope_write_kv(qkv, positions, cos, sin, num_heads, caches[2], caches[3], slots)
+    got_q = fused.rope_write_kv(qkv, positions, cos, sin, num_heads, caches[2], caches[3], slots)
     assert torch.equal(got_q, want_q)
     assert torch.equal(caches[2].nan_to_num(7.0), caches[0].nan_to_num(7.0))  # written slots, and only them
     assert torch.equal(caches[3].nan_to_num(7.0), caches[1].nan_to_num(7.0))
@@ -95,7 +95,7 @@ def test_rope_write_kv_refuses_out_of_range_tokens(bad):
     else:
         positions[2] = 10
     with pytest.raises(ValueError, match="1 tokens have a position outside \\[0, 10\\) or a slot outside \\[0, 8\\)"):
-        ops.rope_write_kv(qkv, positions, cos, sin, 3, k_cache, v_cache, slots)
+        fused.rope_write_kv(qkv, positions, cos, sin, 3, k_cache, v_cache, slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,13 +105,13 @@ def test_silu_mul(dtype, monkeypatch):
     gate_up[0, :6] = torch.tensor([-100.0, -88.0, 0.0, 1e-30, 88.0, 100.0]).to(dtype)  # exp's ends
     want = reference.silu_mul(gate_up)
     no_reference(monkeypatch)
-    assert_within_ulps(ops.silu_mul(gate_up), want, 0.01)
+    assert_within_ulps(fused.silu_mul(gate_up), want, 0.01)
 
 
 def test_unsupported_inputs_take_the_reference():
     x = torch.randn(4, 16, dtype=torch.float16)
     weight = torch.ones(16, dtype=torch.float16)
-    out, _ = ops.rms_norm(x, weight, 1e-6)
+    out, _ = fused.rms_norm(x, weight, 1e-6)
     assert torch.equal(out, reference.rms_norm(x, weight, 1e-6)[0])
     gate_up = torch.randn(8, 4)[:, ::2]  # not contiguous
-    assert torch.equal(ops.silu_mul(gate_up), reference.silu_mul(gate_up))
+    assert torch.equal(fused.silu_mul(gate_up), reference.silu_mul(gate_up))

@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.cpu import build, ops
+from kernels.cpu import build, fused, ops
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -185,10 +185,10 @@ def test_portable_bf16_paths_without_avx512_bf16(tmp_path, monkeypatch, paged_ca
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     flags = ("-mno-avx512bf16",)
     attention = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=flags))
-    fused = ops.declare_fused(build.load_library(ops._FUSED_SOURCE, extra_flags=flags))
+    fused_lib = fused.declare_fused(build.load_library(fused._SOURCE, extra_flags=flags))
     assert not attention.pdserve_paged_attention_native()
     monkeypatch.setattr(ops, "_library", lambda: attention)
-    monkeypatch.setattr(ops, "_fused_library", lambda: fused)
+    monkeypatch.setattr(fused, "_fused_library", lambda: fused_lib)
     bf16 = torch.bfloat16
 
     case = paged_case([1, 17, 100], 3, 64, 16, bf16)
@@ -199,17 +199,17 @@ def test_portable_bf16_paths_without_avx512_bf16(tmp_path, monkeypatch, paged_ca
     x, residual = torch.randn(5, 576).to(bf16), torch.randn(5, 576).to(bf16)
     weight = torch.rand(576).to(bf16)
     want, want_residual = reference.rms_norm(x, weight, 1e-5, residual.clone())
-    got, got_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    got, got_residual = fused.rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(got_residual, want_residual)
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
     gate_up = torch.randn(5, 2 * 1536).mul(4).to(bf16)
-    torch.testing.assert_close(ops.silu_mul(gate_up).float(), reference.silu_mul(gate_up).float(), atol=1e-30, rtol=2**-8)
+    torch.testing.assert_close(fused.silu_mul(gate_up).float(), reference.silu_mul(gate_up).float(), atol=1e-30, rtol=2**-8)
     qkv = torch.randn(4, 15 * 64).to(bf16)
     cos, sin = torch.randn(64, 64), torch.randn(64, 64)
     positions, slots = torch.tensor([3, 9, 27, 63]), torch.tensor([0, 5, 6, 31])
     caches = [torch.zeros(2, 16, 3, 64, dtype=bf16) for _ in range(4)]
     want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, 9, caches[0], caches[1], slots)
-    assert torch.equal(ops.rope_write_kv(qkv, positions, cos, sin, 9, caches[2], caches[3], slots), want_q)
+    assert torch.equal(fused.rope_write_kv(qkv, positions, cos, sin, 9, caches[2], caches[3], slots), want_q)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.cpu import build, ops
+from kernels.cpu import build, gemm, ops
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which("cc") is None or not ops.linear_available(),
+    shutil.which("cc") is None or not gemm.linear_available(),
     reason="the C linear kernel did not build here (or has no AVX2 path); cpu uses F.linear",
 )
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -39,7 +39,7 @@ SHAPES = [  # (K, N)
 def row_counts(dtype: torch.dtype) -> list[int]:
     """Every row count up to 32 (all pass splits and tails, bf16 tiles widened from 15 rows on),
     then a few up to the threshold."""
-    top = ops.LINEAR_MAX_ROWS[dtype]
+    top = gemm.LINEAR_MAX_ROWS[dtype]
     return [m for m in [*range(1, 33), 48, 127, top] if m <= top]
 
 
@@ -70,12 +70,12 @@ def make(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int = 0):
 
 @pytest.fixture
 def c_only(monkeypatch):
-    """ops.linear may not fall back to F.linear: proves the C kernel produced the result."""
+    """gemm.linear may not fall back to F.linear: proves the C kernel produced the result."""
 
     def no_torch(*args, **kwargs):
-        raise AssertionError("ops.linear fell back to F.linear")
+        raise AssertionError("gemm.linear fell back to F.linear")
 
-    monkeypatch.setattr(ops, "F", SimpleNamespace(linear=no_torch))
+    monkeypatch.setattr(gemm, "F", SimpleNamespace(linear=no_torch))
 
 
 @needs_kernel
@@ -86,7 +86,7 @@ def test_c_linear_matches_float64(dtype, shape, bias, c_only):
     k, n = shape
     for m in row_counts(dtype):
         x, weight, b = make(m, k, n, dtype, bias, seed=m)
-        y = ops.linear(x, weight, b)
+        y = gemm.linear(x, weight, b)
         assert y.shape == (m, n) and y.dtype == dtype
         assert_linear_close(y, expected(x, weight, b), k)
 
@@ -99,12 +99,12 @@ def test_rows_and_columns_land_in_place(dtype, c_only):
     k, n = 20, 9
     weight = torch.arange(n * k, dtype=torch.float32).view(n, k).to(dtype)
     bias = torch.arange(n, dtype=torch.float32).mul(-3).to(dtype)
-    for m in (1, 3, 16, ops.LINEAR_MAX_ROWS[dtype]):
+    for m in (1, 3, 16, gemm.LINEAR_MAX_ROWS[dtype]):
         pick = [(7 * i + 3) % k for i in range(m)]
         x = torch.zeros(m, k, dtype=dtype)
         x[torch.arange(m), pick] = 1
-        assert torch.equal(ops.linear(x, weight), weight[:, pick].T)
-        y = ops.linear(torch.zeros(m, k, dtype=dtype), weight, bias)
+        assert torch.equal(gemm.linear(x, weight), weight[:, pick].T)
+        y = gemm.linear(torch.zeros(m, k, dtype=dtype), weight, bias)
         assert torch.equal(y, bias.expand(m, n))
 
 
@@ -113,26 +113,26 @@ def test_bf16_output_rounds_to_nearest_even_like_torch(c_only):
     """Small integers times multiples of 2^-8 sum exactly in fp32, so the only rounding is to
     bf16 at the end; it must be torch's (ties to even) bit for bit, ties included."""
     gen = torch.Generator().manual_seed(0)
-    m, k, n = ops.LINEAR_MAX_ROWS[torch.bfloat16], 577, 401
+    m, k, n = gemm.LINEAR_MAX_ROWS[torch.bfloat16], 577, 401
     x = torch.randint(-8, 9, (m, k), generator=gen).to(torch.bfloat16)
     weight = (torch.randint(-255, 256, (n, k), generator=gen) / 256).to(torch.bfloat16)
     exact = expected(x, weight, None)
     assert torch.equal(exact.float().double(), exact)  # the fp32 sum is exact
-    assert torch.equal(ops.linear(x, weight), exact.float().to(torch.bfloat16))
+    assert torch.equal(gemm.linear(x, weight), exact.float().to(torch.bfloat16))
 
     # 1 + 2^-8 and 1 + 3 * 2^-8 lie halfway between bf16 neighbours: both go to the even one
     x = torch.ones(1, 2, dtype=torch.bfloat16)
     weight = torch.tensor([[1.0, 2**-8], [1.0, 3 * 2**-8]], dtype=torch.bfloat16)
-    assert ops.linear(x, weight).float().tolist() == [[1.0, 1 + 2**-6]]
+    assert gemm.linear(x, weight).float().tolist() == [[1.0, 1 + 2**-6]]
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_leading_dims_are_rows(dtype, c_only):
     x, weight, b = make(6, 577, 33, dtype, True)
-    y = ops.linear(x.view(2, 3, 577), weight, b)
+    y = gemm.linear(x.view(2, 3, 577), weight, b)
     assert y.shape == (2, 3, 33)
-    assert torch.equal(y.view(6, 33), ops.linear(x, weight, b))
+    assert torch.equal(y.view(6, 33), gemm.linear(x, weight, b))
 
 
 @needs_kernel
@@ -141,9 +141,9 @@ def test_results_do_not_depend_on_thread_count(c_only):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.linear(x, weight, b)
+        one = gemm.linear(x, weight, b)
         torch.set_num_threads(max(2, threads))
-        assert torch.equal(ops.linear(x, weight, b), one)
+        assert torch.equal(gemm.linear(x, weight, b), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -163,7 +163,7 @@ def test_results_do_not_depend_on_thread_count(c_only):
 def test_other_inputs_go_to_torch(case):
     k, n = 577, 33
     dtype = torch.float16 if case == "fp16" else torch.float32
-    m = ops.LINEAR_MAX_ROWS[torch.float32] + 1 if case == "more rows than the threshold" else 3
+    m = gemm.LINEAR_MAX_ROWS[torch.float32] + 1 if case == "more rows than the threshold" else 3
     x, weight, b = make(0 if case == "zero rows" else m, k, n, dtype, True)
     if case == "non-contiguous x":
         x = torch.randn(k, m).T
@@ -173,8 +173,8 @@ def test_other_inputs_go_to_torch(case):
         b = torch.randn(2 * n)[::2]
     if case == "autograd":
         weight.requires_grad_(True)
-    assert not ops._linear_native_ok(x, weight, b, ops.LINEAR_MAX_ROWS.get(x.dtype, 0))
-    y = ops.linear(x, weight, b)
+    assert not gemm._linear_native_ok(x, weight, b, gemm.LINEAR_MAX_ROWS.get(x.dtype, 0))
+    y = gemm.linear(x, weight, b)
     assert torch.equal(y, F.linear(x, weight, b))
     if case == "autograd":
         y.sum().backward()
@@ -183,9 +183,9 @@ def test_other_inputs_go_to_torch(case):
 
 def test_mixed_dtypes_are_torch_s_error():
     x, weight, b = make(2, 20, 9, torch.bfloat16, True)
-    assert not ops._linear_native_ok(x, weight, b.float(), 1 << 62)
+    assert not gemm._linear_native_ok(x, weight, b.float(), 1 << 62)
     with pytest.raises(RuntimeError):
-        ops.linear(x, weight, b.float())
+        gemm.linear(x, weight, b.float())
 
 
 def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
@@ -193,34 +193,36 @@ def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog)
         raise build.BuildError("cc failed: error: simulated")
 
     monkeypatch.setattr(ops, "load_library", fail)
-    ops._linear_kernel.cache_clear()
-    ops._packing.cache_clear()
+    gemm._library.cache_clear()
+    gemm._linear_kernel.cache_clear()
+    gemm._packing.cache_clear()
     try:
         x, weight, b = make(2, 577, 33, torch.float32, True)
         with caplog.at_level(logging.WARNING, logger="kernels.cpu.ops"):
-            first = ops.linear(x, weight, b)
-            ops.linear(x, weight, b)
+            first = gemm.linear(x, weight, b)
+            gemm.linear(x, weight, b)
         assert torch.equal(first, F.linear(x, weight, b))
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "simulated" in warnings[0].getMessage()
     finally:
-        ops._linear_kernel.cache_clear()
-        ops._packing.cache_clear()
+        gemm._library.cache_clear()
+        gemm._linear_kernel.cache_clear()
+        gemm._packing.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_portable_c_path_matches_float64(tmp_path, monkeypatch):
     """The plain C loop that machines without AVX2 compile (ops does not route to it)."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    lib = build.load_library(ops._LINEAR_SOURCE, extra_flags=("-U__AVX2__",))
+    lib = build.load_library(gemm._SOURCE, extra_flags=("-U__AVX2__",))
     assert lib.pdserve_linear_simd() == 0
-    kernel = ops.linear_function(lib)
+    kernel = gemm.linear_function(lib)
     for dtype in (torch.float32, torch.bfloat16):
         for m, k, n in ((1, 20, 9), (3, 577, 33), (0, 5, 4)):
             x, weight, b = make(m, k, n, dtype, True)
             y = torch.full((m, n), float("nan"), dtype=dtype)
             args = (x.data_ptr(), weight.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k)
-            assert kernel(*args, ops._NATIVE_DTYPES[dtype], 2) == 0
+            assert kernel(*args, ops.NATIVE_DTYPES[dtype], 2) == 0
             assert_linear_close(y, expected(x, weight, b), k)
 
 
@@ -237,7 +239,7 @@ def test_every_backend_exposes_linear(name):
 
 
 needs_packing = pytest.mark.skipif(
-    shutil.which("cc") is None or ops._packing() is None,
+    shutil.which("cc") is None or gemm._packing() is None,
     reason="no AVX512-BF16 here: bf16 projections take the widening kernel",
 )
 
@@ -246,25 +248,25 @@ needs_packing = pytest.mark.skipif(
 def test_packed_weight_follows_in_place_changes(c_only):
     """The packed copy is remade when the weight is written in place, and dropped with it."""
     x, weight, _ = make(5, 577, 70, torch.bfloat16, False)
-    first = ops.linear(x, weight)
-    assert id(weight) in ops._packed
+    first = gemm.linear(x, weight)
+    assert id(weight) in gemm._packed
     with torch.no_grad():
         weight.mul_(2)
-    assert torch.equal(ops.linear(x, weight), (first.float() * 2).to(torch.bfloat16))
+    assert torch.equal(gemm.linear(x, weight), (first.float() * 2).to(torch.bfloat16))
     key = id(weight)
     del weight
-    assert key not in ops._packed
+    assert key not in gemm._packed
 
 
 @needs_packing
 def test_widening_path_still_matches_float64():
     """The AVX2 kernel's bf16 path (machines without AVX512-BF16), called directly here."""
-    kernel = ops._linear_kernel()
+    kernel = gemm._linear_kernel()
     for m, k, n in ((1, 20, 9), (5, 577, 33), (17, 576, 962)):
         x, weight, b = make(m, k, n, torch.bfloat16, True)
         y = torch.empty(m, n, dtype=torch.bfloat16)
         args = (x.data_ptr(), weight.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k)
-        assert kernel(*args, ops._NATIVE_DTYPES[torch.bfloat16], 2) == 0
+        assert kernel(*args, ops.NATIVE_DTYPES[torch.bfloat16], 2) == 0
         assert_linear_close(y, expected(x, weight, b), k)
 
 
@@ -275,5 +277,5 @@ def test_packed_odd_k_reads_nothing_past_x(k, c_only):
     x, weight, b = make(7, k, 65, torch.bfloat16, True)
     buf = torch.full((x.numel() + 1,), float("nan"), dtype=torch.bfloat16)
     buf[: x.numel()] = x.flatten()
-    y = ops.linear(buf[: x.numel()].view(7, k), weight, b)
+    y = gemm.linear(buf[: x.numel()].view(7, k), weight, b)
     assert_linear_close(y, expected(x, weight, b), k)

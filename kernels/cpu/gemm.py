@@ -1,0 +1,174 @@
+"""CPU kernels, the projections: ``linear(x, weight, bias)`` in C (``linear.c``).
+
+- bf16 where the CPU has AVX512-BF16: any number of rows, on a packed copy of the weight (pairs
+  of k interleaved per 64 outputs, made once per weight: ``_packed_weight``).
+- Otherwise at most ``LINEAR_MAX_ROWS[dtype]`` rows of x: each weight row streamed once for all
+  rows of x (AVX2/FMA tiles, bf16 widened to fp32); more rows go to torch's F.linear.
+
+Other dtypes or devices, non-contiguous tensors and autograd go to ``F.linear`` too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("linear.c")
+
+# Most rows of x for which linear uses the C kernel, per dtype: where torch's F.linear caught
+# up (`python -m bench.kernels --only linear --linear-rows ...`: the default model's projections,
+# 2 threads, Zen 3 AVX2). fp32: C took 0.5x torch's time at 1-16 rows, 0.8x at 96, 0.84x at 128,
+# 1.0x at 160. bf16 (no native bf16 here): torch's matmul ran 5x slower than C at every row count
+# measured, up to 1024 (max_num_batched_tokens's default), so prefill uses the C kernel too.
+LINEAR_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 1024}
+# With AVX512-BF16, bf16 projections of any row count run on pre-packed weights instead
+# (_packed_weight, linear.c): the default model's projections, 2 threads, 2-core Zen 4, against
+# torch's F.linear: 0.41x its time at 1 row (26-29 GB/s of weights), 0.4x at 4, 0.45x at 8,
+# 0.55-0.6x at 32, 0.7x at 64, 0.87x at 512 (~400 GFLOP/s). The price: a second copy of every
+# projection's weights.
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """linear.c, loaded once for both of its kernels."""
+    return load_or_warn(_SOURCE, "linear")
+
+
+def linear_function(lib: ctypes.CDLL) -> Callable[..., int]:
+    """``pdserve_linear`` of a library built from linear.c, with its C signature declared."""
+    fn = lib.pdserve_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _linear_kernel() -> Callable[..., int] | None:
+    lib = _library()
+    if lib is None:
+        return None
+    if not lib.pdserve_linear_simd():
+        logger.info("CPU linear kernel built without AVX2+FMA (slower than torch); using torch")
+        return None
+    return linear_function(lib)
+
+
+class _Packing:
+    """linear.c's packed-weight functions, where the CPU multiplies bf16 natively."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.words = lib.pdserve_packed_words
+        self.words.argtypes = [ctypes.c_int64] * 2
+        self.words.restype = ctypes.c_int64
+        self.pack = lib.pdserve_pack_bf16
+        self.pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int32]
+        self.pack.restype = None
+        self.linear = lib.pdserve_linear_packed
+        self.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+        self.linear.restype = None
+
+
+@functools.cache
+def _packing() -> _Packing | None:
+    lib = _library()
+    if lib is None or not lib.pdserve_linear_simd() or not lib.pdserve_linear_bf16_native():
+        return None
+    return _Packing(lib)
+
+
+# id(weight) -> (weakref to it, its version counter and data pointer when packed, the packing)
+_packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
+    """``weight``'s packed copy, made on first use and again whenever the weight changes (its
+    version counter moves on in-place writes); dropped with the weight."""
+    key = id(weight)
+    entry = _packed.get(key)
+    if entry is not None:
+        ref, version, ptr, packed = entry
+        if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+            return packed
+    n, k = weight.shape
+    packed = torch.empty(packing.words(n, k), dtype=torch.int32)
+    packing.pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    ref = weakref.ref(weight, lambda _, key=key: _packed.pop(key, None))
+    _packed[key] = (ref, weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+def prepack_linear(weight: torch.Tensor) -> None:
+    """Pack a projection's weight now (the model loader calls this), not at its first use."""
+    packing = _packing()
+    if packing is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and (
+        weight.is_cpu and weight.is_contiguous()
+    ):
+        _packed_weight(packing, weight)
+
+
+def linear_available() -> bool:
+    """Whether the C linear kernel is compiled and loaded (building it if needed)."""
+    return _linear_kernel() is not None
+
+
+def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      max_rows: int) -> bool:
+    """Whether the C kernels cover these inputs (they do not do autograd). Runs on every call of
+    every projection, so plain checks, cheapest first."""
+    if (
+        weight.dim() != 2
+        or x.dim() == 0
+        or x.shape[-1] != weight.shape[1]
+        or not 0 < x.numel() <= max_rows * x.shape[-1]
+        or weight.dtype != x.dtype
+        or not x.is_cpu
+        or not weight.is_cpu
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+    ):
+        return False
+    if bias is not None and (
+        bias.dtype != x.dtype
+        or not bias.is_cpu
+        or bias.shape != (weight.shape[0],)
+        or not bias.is_contiguous()
+    ):
+        return False
+    return not torch.is_grad_enabled() or not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``reference.linear``; which kernel takes which inputs: see the module's docstring."""
+    packing = _packing() if x.dtype == torch.bfloat16 else None
+    max_rows = 1 << 62 if packing is not None else LINEAR_MAX_ROWS.get(x.dtype, 0)
+    if not _linear_native_ok(x, weight, bias, max_rows):
+        return F.linear(x, weight, bias)
+    kernel = None if packing is not None else _linear_kernel()
+    if packing is None and kernel is None:
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.numel() // k
+    y = torch.empty(rows, n, dtype=x.dtype)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if packing is not None:
+        packing.linear(x.data_ptr(), _packed_weight(packing, weight).data_ptr(), bias_ptr,
+                       y.data_ptr(), rows, n, k, threads)
+    elif kernel(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k,
+                NATIVE_DTYPES[x.dtype], threads):
+        raise MemoryError("linear: the C kernel could not allocate its scratch memory")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
