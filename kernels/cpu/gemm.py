@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import memory
 from kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
         if ref() is weight and version == weight._version and ptr == weight.data_ptr():
             return packed
     n, k = weight.shape
-    packed = torch.empty(packing.words(n, k), dtype=torch.int32)
+    packed = memory.empty(packing.words(n, k), torch.int32)  # huge pages: read every step
     packing.pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
     ref = weakref.ref(weight, lambda _, key=key: _packed.pop(key, None))
     _packed[key] = (ref, weight._version, weight.data_ptr(), packed)

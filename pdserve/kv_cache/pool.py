@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from kernels.cpu import memory as cpu_memory
+
 from pdserve.config import CacheConfig
 from pdserve.model.config import ModelConfig
 
@@ -45,9 +47,13 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # torch.empty: a block's content is defined only once written (stale data is never read
-        # because attention stops at each sequence's context length).
+        # empty: a block's content is defined only once written (stale data is never read
+        # because attention stops at each sequence's context length). CPU pools on huge pages.
+        def empty() -> torch.Tensor:
+            if device.type == "cpu":
+                return cpu_memory.empty(shape, dtype)
+            return torch.empty(shape, dtype=dtype, device=device)
+
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)
+            (empty(), empty()) for _ in range(model.num_layers)
         ]

@@ -1,0 +1,70 @@
+"""Large CPU buffers on transparent huge pages (2 MiB) where the kernel allows it.
+
+A decode step reads every packed weight and, at batch 32 with 512-token contexts, ~400 MB of KV
+blocks scattered over the pool: with 4 KiB pages that is ~100k pages per step, most of them TLB
+misses. Where the kernel's THP mode is ``madvise`` (the default of many distributions, and of
+the 2-core Zen 4 these kernels were measured on), memory gets huge pages only when asked for
+before it is first touched. ``empty`` asks (``madvise(MADV_HUGEPAGE)``); elsewhere (mode
+``always`` or ``never``, other systems) it is a plain ``torch.empty``.
+
+Measured on that machine, 32 sequences decoding at 512-580 tokens of context, both variants in
+one process, steps alternating: 0.96-0.98x the step time with the KV pool on huge pages, another
+0.98x with the packed weights on them too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_MIN_BYTES = 4 * HUGE_PAGE  # smaller buffers are not worth the padding
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask for huge pages for the whole 2 MiB pages inside ``t``'s memory (not yet touched memory
+    gets them as it is first written). True if the kernel took the advice."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = end // HUGE_PAGE * HUGE_PAGE
+    return last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0
+
+
+def empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, starting on a 2 MiB boundary and on huge
+    pages where available (see the module docstring)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = 1
+    for n in shape:
+        numel *= n
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize < _MIN_BYTES or _madvise() is None:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(numel * itemsize + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[offset : offset + numel * itemsize]
+    advise_huge_pages(buf)
+    return buf.view(dtype).view(shape)
