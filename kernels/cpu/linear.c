@@ -319,16 +319,38 @@ static void packed_rows(const uint16_t *x, int64_t K, const uint32_t *wb, int64_
 void pdserve_linear_packed(const uint16_t *x, const uint32_t *packed, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     if (M <= 0 || N <= 0) return;
-    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB;
-    const int64_t chunks = (M + PACKED_M_CHUNK - 1) / PACKED_M_CHUNK;
+    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB, block_words = kps * PNB;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+    if (M <= PACKED_M_CHUNK) {
+        /*
+         * Few rows (decode): the (block, row) pairs in block-major order, cut into one equal
+         * range per thread, so a block may be shared between two threads by rows: 9 blocks of
+         * 32 rows on 2 threads are 4.5 blocks each, not 5 and 4. Each thread walks its blocks
+         * front to back and prefetches its own next one.
+         */
+        const int64_t units = blocks * M;
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+        for (int64_t t = 0; t < num_threads; t++) {
+            const int64_t end = units * (t + 1) / num_threads;
+            for (int64_t u = units * t / num_threads; u < end;) {
+                const int64_t nb = u / M, m0 = u % M;
+                const int64_t m1 = end - nb * M < M ? end - nb * M : M;
+                const char *next = (nb + 1) * M < end ? (const char *)(packed + (nb + 1) * block_words) : NULL;
+                packed_rows(x, K, packed + nb * block_words, kps, bias, y, N, nb * PNB, m0, m1, next);
+                u = nb * M + m1;
+            }
+        }
+        return;
+    }
+    /* Many rows (prefill): tasks of one block x PACKED_M_CHUNK rows, handed out as threads free up. */
+    const int64_t chunks = (M + PACKED_M_CHUNK - 1) / PACKED_M_CHUNK;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < blocks * chunks; t++) {
         const int64_t nb = t % blocks, mc = t / blocks;
         const int64_t m0 = mc * PACKED_M_CHUNK;
         const int64_t m1 = m0 + PACKED_M_CHUNK < M ? m0 + PACKED_M_CHUNK : M;
-        const char *next = nb + 1 < blocks ? (const char *)(packed + (nb + 1) * kps * PNB) : NULL;
-        packed_rows(x, K, packed + nb * kps * PNB, kps, bias, y, N, nb * PNB, m0, m1, next);
+        const char *next = nb + 1 < blocks ? (const char *)(packed + (nb + 1) * block_words) : NULL;
+        packed_rows(x, K, packed + nb * block_words, kps, bias, y, N, nb * PNB, m0, m1, next);
     }
 }
 #endif
