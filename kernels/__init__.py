@@ -10,6 +10,7 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 - ``rms_norm(x, weight, eps, residual=None) -> (out, residual)``,
   ``rope_write_kv(qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping) -> q``,
   ``silu_mul(gate_up) -> out`` (a decoder layer's small per-token ops)
+- ``argmax(logits) -> token ids`` (greedy sampling)
 
 A backend may also have ``prepack_linear(weight)`` (the model loader calls it for every
 projection, to make the backend's own weight layout before the first request).

@@ -195,3 +195,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: ``silu(gate) * up`` where gate_up ``[..., 2 * I]`` holds gate then up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: the index of each row's largest logit (the first if it repeats; the first
+    NaN if a row has one). ``logits`` [rows, vocab] -> [rows] int64."""
+    return logits.argmax(dim=-1)

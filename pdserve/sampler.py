@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 from pdserve.sampling_params import SamplingParams
 
 
@@ -24,7 +26,7 @@ class SamplerRow:
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """``logits`` [num_rows, vocab] fp32 -> one token per row (and its logprobs where asked)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = kernels.get_backend(logits.device).argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, dtype=torch.long)

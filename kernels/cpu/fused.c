@@ -304,3 +304,58 @@ void pdserve_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int3
         }
     }
 }
+
+/*
+ * Greedy sampling's argmax over fp32 logits rows: out[m] = the index of row m's largest value,
+ * the first one where it repeats, or the first NaN if the row has one (as torch.argmax). Two
+ * passes over the row (the max, then where it first is), 16 lanes a pass with AVX-512: torch's
+ * argmax took 0.7-0.8 ms for 32 rows of 49,152 logits on 2 Zen 4 cores, this 0.06 ms.
+ */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ARGMAX_AVX512 1
+#else
+#define ARGMAX_AVX512 0
+#endif
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#if ARGMAX_AVX512
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(v, mv); /* a NaN v leaves mv as it was */
+    }
+    nan = unordered != 0;
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i])
+            nan = 1;
+        else if (x[i] > m)
+            m = x[i];
+    }
+    i = 0;
+    if (nan) {
+        while (x[i] == x[i]) i++;
+        return i;
+    }
+#if ARGMAX_AVX512
+    const __m512 target = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    while (i < n - 1 && x[i] != m) i++;
+    return i;
+}
+
+void pdserve_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out, int32_t num_threads) {
+#pragma omp parallel for num_threads(threads_for(M * N, num_threads)) schedule(static)
+    for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * N, N);
+}

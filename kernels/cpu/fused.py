@@ -1,6 +1,6 @@
 """CPU kernels, the small per-token ops of a decoder layer, each one C pass (``fused.c``):
 ``rms_norm`` (with the residual add), ``rope_write_kv`` (RoPE of q and k, then k and v into their
-KV-cache slots) and ``silu_mul``. Inputs the C code does not cover go to the reference.
+KV-cache slots) and ``silu_mul``; and greedy sampling's ``argmax`` over the logits. Inputs the C code does not cover go to the reference.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def declare_fused(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pdserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
         ctypes.c_int32, ctypes.c_int32]
     lib.pdserve_silu_mul.restype = None
+    lib.pdserve_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.c_int32]
+    lib.pdserve_argmax_rows.restype = None
     return lib
 
 
@@ -133,4 +136,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter) if inter else 0, inter,
         NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads(),
     )
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """See ``reference.argmax``; in C for fp32 rows on the CPU."""
+    lib = _fused_library()
+    if (
+        lib is None
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or logits.dtype != torch.float32
+        or not logits.is_cpu
+        or not logits.is_contiguous()
+    ):
+        return reference.argmax(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.pdserve_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                            torch.get_num_threads())
     return out

@@ -6,12 +6,14 @@ from kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
 from kernels.triton.prefill_attention import prefill_attention
 
 # No Triton kernel: F.linear (cuBLAS on CUDA tensors), and torch for the small fused ops.
+argmax = reference.argmax
 linear = reference.linear
 rms_norm = reference.rms_norm
 rope_write_kv = reference.rope_write_kv
 silu_mul = reference.silu_mul
 
 __all__ = [
+    "argmax",
     "gather_blocks",
     "linear",
     "paged_decode_attention",

@@ -26,7 +26,7 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 
 def no_reference(monkeypatch):
     """Fail if ops falls back to the reference: proves the C kernel produced the result."""
-    for name in ("rms_norm", "rope_write_kv", "silu_mul"):
+    for name in ("rms_norm", "rope_write_kv", "silu_mul", "argmax"):
         monkeypatch.setattr(fused.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back"))
 
 
@@ -106,6 +106,29 @@ def test_silu_mul(dtype, monkeypatch):
     want = reference.silu_mul(gate_up)
     no_reference(monkeypatch)
     assert_within_ulps(fused.silu_mul(gate_up), want, 0.01)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_argmax_matches_torch_ties_and_nans(vocab, monkeypatch):
+    """Random rows (bf16-rounded logits repeat values: ties), then the cases torch defines: the
+    first of equal maxima, the first NaN, rows of -inf, a maximum in the tail past the last 16."""
+    no_reference(monkeypatch)
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(33, vocab, generator=gen).bfloat16().float()
+    logits[1] = 0.5  # every element ties
+    logits[2] = float("-inf")
+    if vocab > 3:
+        logits[3, vocab // 2] = 9.0
+        logits[3, vocab - 1] = 9.0  # a tie: the first one
+        logits[4, 2] = float("nan")
+        logits[4, vocab - 1] = float("nan")  # two NaNs: the first
+        logits[5, vocab - 1] = 100.0  # the tail
+        logits[6, 0] = -0.0
+        logits[6, 1:] = -1.0
+        logits[6, vocab // 2] = 0.0  # -0 and +0 are equal: the first
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(fused.argmax(logits), expected)
+    assert fused.argmax(logits).dtype == torch.int64
 
 
 def test_unsupported_inputs_take_the_reference():
