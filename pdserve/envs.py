@@ -20,6 +20,12 @@ def kernel_backend() -> str | None:
     return os.environ.get("PDSERVE_KERNEL_BACKEND") or None
 
 
+def decode_loop_enabled() -> bool:
+    """Whether a backend's flat decode loop may replace the module path for decode-only steps
+    (PDSERVE_DECODE_LOOP=0 turns it off, to compare the two)."""
+    return os.environ.get("PDSERVE_DECODE_LOOP", "1") != "0"
+
+
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

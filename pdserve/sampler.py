@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-
 from pdserve.sampling_params import SamplingParams
 
 

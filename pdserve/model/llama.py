@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pdserve import envs
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.config import ModelConfig, RopeScaling
 
@@ -128,7 +129,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """``after_layer(i)`` runs once layer i has written its KV (to ship it while i+1 computes)."""
+        """``after_layer(i)`` runs once layer i has written its KV (to ship it while i+1 computes).
+        Decode-only steps go through the backend's decode loop where it has one (same result)."""
+        if after_layer is None and meta.num_prefill_tokens == 0 and meta.decode_block_tables is not None:
+            loop = self._decode_loop()
+            if loop is not None:
+                return loop(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -136,6 +142,14 @@ class LlamaForCausalLM(nn.Module):
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x, residual)[0]
+
+    def _decode_loop(self):
+        """The backend's compiled decode loop for this model (made on first use), or None."""
+        if "_compiled_decode_loop" not in self.__dict__:
+            compile_loop = getattr(self.ops, "compile_decode_loop", None)
+            loop = compile_loop(self) if compile_loop is not None and envs.decode_loop_enabled() else None
+            self.__dict__["_compiled_decode_loop"] = loop
+        return self.__dict__["_compiled_decode_loop"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]

@@ -1,0 +1,115 @@
+"""The CPU backend's flat decode loop (kernels/cpu/decode_loop.py) against the module path: the
+same kernels with the same arguments, so the logits must be equal bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.cpu import compile_decode_loop, gemm, ops
+from pdserve.config import CacheConfig
+from pdserve.llm import LLM
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import ScheduledBatch
+
+pytestmark = pytest.mark.skipif(
+    gemm._packing() is None or not ops.attention_bf16_native(),
+    reason="the decode loop needs AVX512-BF16 (packed linear, native attention); the module path runs",
+)
+
+
+def decoding_engine(model: str, num_seqs: int, prompt_len: int, vocab: int):
+    """An engine whose ``num_seqs`` sequences have all been prefilled and decode."""
+    llm = LLM(model, dtype="bfloat16", threads=2, cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20))
+    engine = llm.engine
+    rng = random.Random(num_seqs)
+    for i in range(num_seqs):  # ragged contexts: on and off block boundaries
+        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt_len + 5 * i)],
+                           SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
+def both_paths(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the running sequences' next decode step, through the loop, then the module path
+    (the step writes the same K/V into the same slots both times)."""
+    runner = engine.runner
+    model = runner.model
+    assert model._decode_loop() is not None, "the loop should cover this model"
+    inputs = runner.prepare(ScheduledBatch(decodes=list(engine.scheduler.running)))
+    with_loop = runner.forward_logits(inputs)
+    loop = model.__dict__["_compiled_decode_loop"]
+    model.__dict__["_compiled_decode_loop"] = None
+    try:
+        without = runner.forward_logits(inputs)
+    finally:
+        model.__dict__["_compiled_decode_loop"] = loop
+    return with_loop, without
+
+
+def small_model_head_dim_64(path, bias: bool):
+    """A random 2-layer Qwen2 (qkv bias) or Llama (no bias) with head_dim 64, as the loop needs."""
+    import transformers
+
+    kind = transformers.Qwen2Config if bias else transformers.LlamaConfig
+    cfg = kind(vocab_size=300, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_default_model_loop_equals_module_path(default_model_dir):
+    engine = decoding_engine(str(default_model_dir), num_seqs=7, prompt_len=30, vocab=49152)
+    with_loop, without = both_paths(engine)
+    assert with_loop.shape == (7, 49152)
+    assert torch.equal(with_loop, without)
+    # and the engine's own steps (through the loop) keep every block accounted for
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_free_blocks == engine.runner.pool.num_blocks
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_small_models_loop_equals_module_path(tmp_path, bias):
+    engine = decoding_engine(small_model_head_dim_64(tmp_path, bias), num_seqs=5, prompt_len=17, vocab=300)
+    with_loop, without = both_paths(engine)
+    assert torch.equal(with_loop, without)
+
+
+def test_in_place_weight_change_is_followed(tmp_path):
+    engine = decoding_engine(small_model_head_dim_64(tmp_path, True), num_seqs=3, prompt_len=20, vocab=300)
+    before, _ = both_paths(engine)
+    model = engine.runner.model
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(3)
+        model.layers[0].self_attn.qkv_proj.bias.add_(0.5)
+    after, module_path = both_paths(engine)
+    assert torch.equal(after, module_path)
+    assert not torch.equal(after, before)
+
+
+def test_bad_block_ids_are_refused_without_a_crash(tmp_path):
+    engine = decoding_engine(small_model_head_dim_64(tmp_path, False), num_seqs=2, prompt_len=20, vocab=300)
+    runner = engine.runner
+    inputs = runner.prepare(ScheduledBatch(decodes=list(engine.scheduler.running)))
+    inputs.meta.decode_block_tables[1, 0] = runner.pool.num_blocks + 5
+    with pytest.raises(ValueError, match="block ids outside"):
+        runner.forward_logits(inputs)
+
+
+def test_fp32_model_is_not_covered(tmp_path):
+    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="float32",
+              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
+    assert compile_decode_loop(llm.engine.runner.model) is None
