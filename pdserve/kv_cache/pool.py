@@ -7,7 +7,6 @@ import os
 import torch
 
 from kernels.cpu import memory as cpu_memory
-
 from pdserve.config import CacheConfig
 from pdserve.model.config import ModelConfig
 
