@@ -1,21 +1,25 @@
 """KV transfer benchmark: one prompt's KV (all layers) from a sender process to a receiver process.
 
     .venv/bin/python bench/transfer.py [--tokens 512] [--reps 9] [--dtype float32 bfloat16]
-                                       [--ids random|allocator]
+                                       [--ids random|allocator|runs:N] [--mode pool framed wire]
 
 Shapes default to the default model (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block 16).
-Two measurements per dtype, over UCX between two processes on loopback:
+Measurements per dtype (``--mode``), over UCX between two processes on loopback:
 
-  pool   KV pool to KV pool, as the workers do it: the sender gathers each layer's blocks from its
-         pools straight into the transport's message buffers (``layer_buffers`` + ``gather_into``)
-         and pushes the layers back to back; the receiver scatters each into other block ids of
-         its pools (``scatter_into``).
-  wire   the transport alone: layers gathered before the clock starts, received layers dropped.
+  pool    KV pool to KV pool, as the workers do it: the sender pushes each layer of its pools
+          back to back (``start_send(dst_block_ids=...)``, ``send_pool_layer``, ``finish``), the
+          receiver lands them in other block ids of its pools (``scatter_into``). Sent direct
+          (plan.py: no gather, no scatter) when the ids cut into few segments, else framed.
+  framed  the same without the receiver's ids: always framed, i.e. gathered into message buffers
+          (``gather_into``) and scattered from them (``scatter_into``).
+  wire    the framed transport alone: layers gathered before the clock starts, landed layers
+          dropped.
 
-Block ids (``--ids``, both sides): ``random`` (default; the worst case, every block its own copy)
-or ``allocator`` (one run of consecutive blocks, as a fresh BlockAllocator hands them out).
-Seconds run from the first gather (pool) or send (wire) to the receiver's last ``on_layer``
-(CLOCK_MONOTONIC is shared by processes on one host); bytes count payload and 256-byte headers.
+Block ids (``--ids``, both sides): ``random`` (default; the worst case, every block its own copy),
+``allocator`` (one run of consecutive blocks, as a fresh BlockAllocator hands them out) or
+``runs:N`` (N runs at random places). Seconds run from the first send (or gather) to the
+receiver's transfer completing (CLOCK_MONOTONIC is shared by processes on one host); bytes count
+payload and headers (256 bytes per framed message; plan and trailer of a direct transfer).
 Prints the median and range over ``--reps`` transfers after ``--warmup``.
 """
 
@@ -26,6 +30,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -43,11 +48,15 @@ UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 def _block_ids(pool: int, num_blocks: int, kind: str) -> torch.Tensor:
     """``random``: any blocks of the pool (the worst case: every block its own memcpy);
-    ``allocator``: one run of consecutive blocks, as a fresh BlockAllocator hands them out."""
+    ``allocator``: one run of consecutive blocks, as a fresh BlockAllocator hands them out;
+    ``runs:N``: N runs of about equal length, at random places of the pool."""
     if kind == "random":
         return torch.randperm(pool)[:num_blocks]
-    start = int(torch.randint(0, pool - num_blocks + 1, ()))
-    return torch.arange(start, start + num_blocks)
+    runs = 1 if kind == "allocator" else int(kind.split(":")[1])
+    sizes = [num_blocks // runs + (i < num_blocks % runs) for i in range(runs)]
+    slots = torch.randperm(pool // num_blocks * runs)[:runs]  # pool cut in places of max(sizes)
+    place = pool // (pool // num_blocks * runs)
+    return torch.cat([torch.arange(s * place, s * place + n) for s, n in zip(slots.tolist(), sizes, strict=True)])
 
 
 def _receiver(
@@ -62,24 +71,28 @@ def _receiver(
         torch.zeros(pool, *layout.block_shape, dtype=layout.dtype) for _ in range(layout.num_layers)
     ]
     v_pools = [torch.zeros_like(p) for p in k_pools]
-    options = dict(recv_window=args.recv_window, ucx_options=args.ucx_options)
+    options = dict(recv_window=args.recv_window, ucx_options=args.ucx_options,
+                   max_segments=args.max_segments)
     with create_transport("ucx", layout, **options) as transport:
         conn.send(transport.address())
         while (msg := conn.recv()) is not None:
             transfer_id, scatter = msg
             # what the decode worker does: scatter_into its reserved blocks
-            land = scatter_into(k_pools, v_pools, _block_ids(pool, num_blocks, args.ids))
-            last = [0.0]
+            ids = _block_ids(pool, num_blocks, args.ids)
+            on_layer = scatter_into(k_pools, v_pools, ids) if scatter else lambda *_: None
+            landed = [0.0, threading.Event()]
 
-            def on_layer(header, k, v, land=land, last=last, scatter=scatter):  # noqa: ANN001
-                if scatter:
-                    land(header, k, v)
-                last[0] = time.monotonic()
+            def finished(_, landed=landed):  # noqa: ANN001 - on the transport's thread
+                landed[0] = time.monotonic()
+                landed[1].set()
 
+            cpu = time.process_time()
             transfer = transport.expect(transfer_id, num_blocks, on_layer, timeout=30.0)
-            conn.send("ready")
+            transfer.future.add_done_callback(finished)
+            conn.send(("ready", ids.tolist()))
             stats = transfer.wait()
-            conn.send((last[0], stats.nbytes))
+            landed[1].wait(30.0)
+            conn.send((landed[0], stats.nbytes, time.process_time() - cpu))
 
 
 def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
@@ -87,7 +100,7 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
         "bench", getattr(torch, dtype), args.block_size, args.layers, args.kv_heads, args.head_dim
     )
     num_blocks = -(-args.tokens // layout.block_size)
-    pool = 4 * num_blocks
+    pool = args.pool_factor * num_blocks
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
@@ -100,33 +113,41 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
         torch.randn(pool, *layout.block_shape).to(layout.dtype) for _ in range(layout.num_layers)
     ]
     v_pools = [torch.randn_like(t) for t in k_pools]
-    seconds, nbytes = [], 0
+    seconds, nbytes, cpu_tx, cpu_rx, post_t = [], 0, [], [], []
     try:
-        with create_transport("ucx", layout, ucx_options=args.ucx_options) as transport:
+        options = dict(ucx_options=args.ucx_options, max_segments=args.max_segments)
+        with create_transport("ucx", layout, **options) as transport:
             peer = transport.connect(parent.recv())
             for rep in range(args.warmup + args.reps):
-                parent.send((rep, mode == "pool"))
-                assert parent.recv() == "ready"
+                parent.send((rep, mode != "wire"))
+                ready, dst = parent.recv()
                 ids = _block_ids(pool, num_blocks, args.ids)
-                tx = transport.start_send(peer, rep, num_blocks, timeout=30.0)
+                dst = dst if mode == "pool" else None
+                tx = transport.start_send(peer, rep, num_blocks, timeout=30.0, dst_block_ids=dst)
                 gathered = []
                 if mode == "wire":
                     for layer in range(layout.num_layers):
                         k, v = tx.layer_buffers()
                         gather_into(k_pools[layer], v_pools[layer], ids, k, v)
                         gathered.append((k, v))
+                cpu = time.process_time()
                 start = time.monotonic()
                 for layer in range(layout.num_layers):
                     if mode == "wire":
-                        k, v = gathered[layer]
+                        tx.send_layer(layer, *gathered[layer])
                     else:  # what the prefill worker does after each layer
-                        k, v = tx.layer_buffers()
-                        gather_into(k_pools[layer], v_pools[layer], ids, k, v)
-                    tx.send_layer(layer, k, v)
+                        tx.send_pool_layer(layer, k_pools[layer], v_pools[layer], ids)
+                if mode != "wire":
+                    tx.finish()  # the prefill worker: with the first token, after sampling
+                posted = time.monotonic() - start
                 tx.wait()
-                landed, nbytes = parent.recv()
+                cpu = time.process_time() - cpu
+                landed, nbytes, rx_cpu = parent.recv()
                 if rep >= args.warmup:
                     seconds.append(landed - start)
+                    cpu_tx.append(cpu)
+                    cpu_rx.append(rx_cpu)
+                    post_t.append(posted)
             parent.send(None)
     finally:
         proc.join(10)
@@ -134,10 +155,12 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
             proc.kill()
     med = statistics.median(seconds)
     print(
-        f"ucx {mode:4s} {dtype:8s} {args.ids} ids, {args.tokens} tokens x {layout.num_layers} layers: "
+        f"ucx {mode:6s} {dtype:8s} {args.ids} ids, {args.tokens} tokens x {layout.num_layers} layers: "
         f"{nbytes} bytes, median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
         f"(range {nbytes / max(seconds) / 1e9:.2f}-{nbytes / min(seconds) / 1e9:.2f} GB/s, "
-        f"{len(seconds)} transfers)",
+        f"{len(seconds)} transfers; CPU per transfer: sender {statistics.median(cpu_tx) * 1e3:.1f} ms, "
+        f"receiver {statistics.median(cpu_rx) * 1e3:.1f} ms; all handed to the transport after "
+        f"{statistics.median(post_t) * 1e3:.2f} ms)",
         flush=True,
     )
 
@@ -150,11 +173,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--mode", nargs="+", default=["pool", "wire"], choices=["pool", "wire"])
     parser.add_argument(
-        "--ids", default="random", choices=["random", "allocator"],
-        help="block ids on both sides: random (worst case) or one run, as a fresh allocator's",
+        "--mode", nargs="+", default=["pool", "framed", "wire"], choices=["pool", "framed", "wire"]
     )
+    parser.add_argument(
+        "--ids", default="random",
+        help="block ids on both sides: random (worst case), allocator (one run) or runs:N",
+    )
+    parser.add_argument("--pool-factor", type=int, default=4, help="pool size / transfer size")
+    parser.add_argument("--max-segments", type=int, default=2, help="direct up to this many segments")
     parser.add_argument("--recv-window", type=int, default=8, help="receives posted per transfer")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,7 @@ from pdserve.transfer.errors import (
 )
 from pdserve.transfer.header import KVLayout, LayerHeader, check_transfer_id
 from pdserve.transfer.transfers import (
+    DirectPlan,
     LayerCallback,
     PeerHandle,
     RecvTransfer,
@@ -143,9 +145,43 @@ class KVTransport(ABC):
         timeout: float,
         traceparent: str = "",
         device: str | torch.device = "cpu",
+        dst_block_ids: Sequence[int] | None = None,
     ) -> SendTransfer:
-        """A sender's handle on one transfer: headers, deadline and stats for all its layers."""
-        return SendTransfer(self, peer, transfer_id, num_blocks, timeout, traceparent, device)
+        """A sender's handle on one transfer: headers, deadline and stats for all its layers.
+        ``dst_block_ids``, the receiver's blocks for it, let ``send_pool_layer`` send direct."""
+        return SendTransfer(
+            self, peer, transfer_id, num_blocks, timeout, traceparent, device, dst_block_ids
+        )
+
+    # -- direct transfers (plan.py); transports that cannot send them keep these ----------------
+
+    def plan_direct(
+        self,
+        tx: SendTransfer,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        src_block_ids: list[int],
+        timeout: float,
+    ) -> tuple[DirectPlan, concurrent.futures.Future[None]] | None:
+        """Start sending ``tx`` straight from pools like ``k_pool``/``v_pool``: make its plan,
+        send it, return it with the plan message's future; None: send it framed."""
+        return None
+
+    def send_direct(
+        self,
+        peer: PeerHandle,
+        plan: DirectPlan,
+        layer: int,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        timeout: float,
+    ) -> list[concurrent.futures.Future[None]]:
+        raise NotImplementedError
+
+    def send_trailer(
+        self, peer: PeerHandle, plan: DirectPlan, header: LayerHeader, timeout: float
+    ) -> concurrent.futures.Future[None]:
+        raise NotImplementedError
 
     def __enter__(self) -> KVTransport:
         return self
@@ -186,6 +222,16 @@ def gather_into(
         return
     block_copy.gather_blocks_into(k_pool, block_ids, k)
     block_copy.gather_blocks_into(v_pool, block_ids, v)
+
+
+class Landing(NamedTuple):
+    """Where ``scatter_into``'s callback writes (its ``landing`` attribute): contiguous CPU
+    pools of one dtype and shape, and the transfer's block ids in them (int64). A transport may
+    land a direct transfer's data there itself instead of calling it (ucx_direct.py)."""
+
+    k_pools: Sequence[torch.Tensor]
+    v_pools: Sequence[torch.Tensor]
+    block_ids: torch.Tensor
 
 
 def scatter_into(
@@ -260,4 +306,5 @@ def _native_scatter(
         if bad:
             raise IndexError(f"block ids outside [0, {pool_blocks}) of the receiver's pools")
 
+    on_layer.landing = Landing(k_pools, v_pools, ids)  # type: ignore[attr-defined]
     return on_layer  # its closure keeps ``ids`` (and so ids_ptr) alive

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.transfer.errors import HeaderMismatchError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: direct transfers (plan.py)
 MAGIC = b"PDKV"
 HEADER_NBYTES = 256  # payload starts 256-byte aligned; room for fields added later
 

@@ -82,7 +82,7 @@ class LoopbackTransport(KVTransport):
 
     def _recv_finished(self, transfer: RecvTransfer) -> None:
         self._recvs.pop(transfer.transfer_id, None)
-        if transfer.future.exception() is not None:
+        if transfer.error is not None:
             self._failed.add(transfer.transfer_id)
 
     def _deliver(self, tid: int, message: torch.Tensor) -> None:

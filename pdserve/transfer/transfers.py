@@ -10,7 +10,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,6 +22,7 @@ from pdserve.transfer.errors import (
     TransferTimeoutError,
 )
 from pdserve.transfer.header import (
+    HEADER_NBYTES,
     KVLayout,
     LayerHeader,
     check_transfer_id,
@@ -47,6 +48,14 @@ class Scheduler(Protocol):
 
 
 LayerCallback = Callable[[LayerHeader, torch.Tensor, torch.Tensor], None]
+_FRAMED = "framed"
+
+
+class DirectPlan:
+    """A transport's plan for sending one transfer straight from pools (``plan_direct``)."""
+
+    plan_nbytes: int  # the plan message
+    layer_nbytes: int  # K and V of one layer, in all its data messages
 WAIT_GRACE_S = 1.0  # wait() gives up this long after the deadline even if the transport is stuck
 
 
@@ -114,7 +123,7 @@ class RecvTransfer:
         self.future: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
         self.token_id = -1
         self.traceparent = ""  # of the sender's span, from the first message's header
-        self._on_layer = on_layer
+        self.on_layer = self._on_layer = on_layer
         self._scheduler = scheduler
         self._blocks_landed = [0] * self.num_layers
         self._full_nbytes = layout.message_nbytes(num_blocks)
@@ -124,6 +133,9 @@ class RecvTransfer:
         self._started = time.perf_counter()
         self._finish_callbacks: list[Callable[[RecvTransfer], None]] = []
         self._timer: Cancellable | None = None
+        self.over = False  # completed or failed (the future may follow later: hold_failure)
+        self.error: BaseException | None = None
+        self._hold_s = 0.0
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -159,6 +171,12 @@ class RecvTransfer:
         self._finish_callbacks.append(on_finish)
         self._timer = self._scheduler.call_at(self.deadline, self._on_deadline)
 
+    def hold_failure(self, seconds: float) -> None:
+        """From an ``on_finish`` callback of a failing transfer: fail the future (on which the
+        caller frees the blocks) only ``seconds`` later, for writes into the blocks that the
+        transport could not cancel (a direct transfer's matched receives, ucx_direct.py)."""
+        self._hold_s = max(self._hold_s, seconds)
+
     def layer_complete(self, layer: int) -> bool:
         return self._blocks_landed[layer] >= self.num_blocks
 
@@ -168,14 +186,16 @@ class RecvTransfer:
         expected_layer: int | None = None,
         full_views: tuple[torch.Tensor, torch.Tensor] | None = None,
         head: memoryview | None = None,
+        nbytes: int | None = None,
     ) -> LayerHeader | None:
         """Check one received message in ``buf`` and hand its K and V to ``on_layer``.
         Made beforehand, once per buffer, to spare the work per message: ``full_views``, K and V
         of ``buf`` for a message of all ``num_blocks`` blocks (used when it is one); ``head``,
-        its header bytes (``header_view``).
+        its header bytes (``header_view``); ``nbytes``, what to count for the message if not
+        its framed size.
 
         Fails the transfer (and returns None) on any mismatch or callback error."""
-        if self.future.done():
+        if self.over:
             return None
         try:
             header = read_header(buf) if head is None else LayerHeader.unpack(head)
@@ -195,12 +215,21 @@ class RecvTransfer:
             err.__cause__ = exc
             self.fail(err)
             return None
-        self._num_messages += 1
-        self._nbytes += (
-            self._full_nbytes
-            if header.num_blocks == self.num_blocks
-            else self.layout.message_nbytes(header.num_blocks)
-        )
+        if nbytes is None:
+            nbytes = (
+                self._full_nbytes
+                if header.num_blocks == self.num_blocks
+                else self.layout.message_nbytes(header.num_blocks)
+            )
+        return self.landed(header, nbytes, messages=1)
+
+    def landed(self, header: LayerHeader, nbytes: int, messages: int) -> LayerHeader | None:
+        """Account for blocks of one layer that are in place (``deliver``, after ``on_layer``;
+        a direct transfer, after they landed in the pool): ``nbytes`` in ``messages``."""
+        if self.over:
+            return None
+        self._num_messages += messages
+        self._nbytes += nbytes
         if header.token_id >= 0:
             self.token_id = header.token_id
         if header.traceparent and not self.traceparent:
@@ -237,7 +266,7 @@ class RecvTransfer:
             raise HeaderMismatchError(f"{where()}: more blocks than reserved (duplicate message?)")
 
     def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
+        if not self.over:
             self._finish(None, exc)
 
     def _on_deadline(self) -> None:
@@ -252,12 +281,16 @@ class RecvTransfer:
     def _finish(self, stats: TransferStats | None, exc: BaseException | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        self.over, self.error = True, exc
         if exc is None:
             self.future.set_result(stats)  # type: ignore[arg-type]
-        else:
-            self.future.set_exception(exc)
-        for fn in self._finish_callbacks:
+        for fn in self._finish_callbacks:  # on failure they may hold_failure()
             fn(self)
+        if exc is not None:
+            if self._hold_s > 0:
+                self._scheduler.call_at(time.monotonic() + self._hold_s, self.future.set_exception, exc)
+            else:
+                self.future.set_exception(exc)
 
 
 class SendTransfer:
@@ -274,8 +307,12 @@ class SendTransfer:
         timeout: float,
         traceparent: str = "",
         device: str | torch.device = "cpu",
+        dst_block_ids: Sequence[int] | None = None,
     ) -> None:
         check_transfer_id(transfer_id)
+        if dst_block_ids is not None and len(dst_block_ids) != num_blocks:
+            raise ValueError(f"{len(dst_block_ids)} destination block ids for {num_blocks} blocks")
+        self.dst_block_ids = None if dst_block_ids is None else [int(b) for b in dst_block_ids]
         self.device = torch.device(device)
         self.transport = transport
         self.peer = peer
@@ -289,6 +326,8 @@ class SendTransfer:
         self._finished = 0.0
         self._num_finished = 0
         self._lock = threading.Lock()
+        self._plan: Any = None  # send_pool_layer's: the transport's direct plan, or _FRAMED
+        self._held_last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def layer_buffers(self, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V tensors to gather a layer into, sent without a copy (see KVTransport)."""
@@ -309,6 +348,8 @@ class SendTransfer:
             raise TransferTimeoutError(
                 f"transfer {self.transfer_id}: deadline passed before layer {layer}"
             )
+        if isinstance(self._plan, DirectPlan):
+            raise RuntimeError(f"transfer {self.transfer_id} is sent direct: use send_pool_layer")
         layout = self.transport.layout
         header = LayerHeader.for_layer(
             layout,
@@ -322,10 +363,81 @@ class SendTransfer:
         if self._started is None:
             self._started = time.perf_counter()
         fut = self.transport.send_layer(self.peer, header, k, v, timeout=remaining)
-        self._nbytes += layout.message_nbytes(header.num_blocks)
+        self._track(fut, layout.message_nbytes(header.num_blocks))
+        return fut
+
+    def send_pool_layer(
+        self, layer: int, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor
+    ) -> None:
+        """Send layer ``layer`` of the pools' blocks ``block_ids`` (int64, the same for every
+        layer); the last layer goes with ``finish``, which adds the first token.
+
+        Straight from the pools (no copy; ``plan.py``) when the destination's block ids were
+        given to ``start_send`` and the transport can, in which case the pools' blocks must stay
+        unchanged until ``wait`` returns; else gathered into a message buffer first (a copy)."""
+        if self._plan is None:
+            self._plan = self._make_plan(k_pool, v_pool, block_ids)
+        if isinstance(self._plan, DirectPlan):
+            remaining = self._remaining(layer)
+            futures = self.transport.send_direct(self.peer, self._plan, layer, k_pool, v_pool, remaining)
+            for i, fut in enumerate(futures):  # the layer's bytes, counted once
+                self._track(fut, self._plan.layer_nbytes if i == 0 else 0)
+            return
+        from pdserve.transfer.base import gather_into  # base imports this module
+
+        k, v = self.layer_buffers()
+        gather_into(k_pool, v_pool, block_ids, k, v)
+        if layer == self.transport.layout.num_layers - 1:
+            self._held_last = (k, v)
+        else:
+            self.send_layer(layer, k, v)
+
+    def finish(self, token_id: int = -1) -> None:
+        """Send what is left after the last ``send_pool_layer``, with the first sampled token:
+        the trailer of a direct transfer, else the held last layer."""
+        last = self.transport.layout.num_layers - 1
+        if isinstance(self._plan, DirectPlan):
+            header = LayerHeader.for_layer(
+                self.transport.layout, self.transfer_id, last, self.num_blocks,
+                token_id=token_id, traceparent=self.traceparent,
+            )
+            fut = self.transport.send_trailer(self.peer, self._plan, header, self._remaining(last))
+            self._track(fut, HEADER_NBYTES)
+        elif self._held_last is not None:
+            (k, v), self._held_last = self._held_last, None
+            self.send_layer(last, k, v, token_id=token_id)
+        else:
+            raise RuntimeError(f"transfer {self.transfer_id}: finish before the last layer")
+
+    def _make_plan(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor) -> Any:
+        if self.dst_block_ids is None:
+            return _FRAMED
+        src = [int(b) for b in block_ids.tolist()]
+        if len(src) != self.num_blocks:
+            raise ValueError(f"{len(src)} block ids for a transfer of {self.num_blocks} blocks")
+        if self._started is None:
+            self._started = time.perf_counter()
+        made = self.transport.plan_direct(self, k_pool, v_pool, src, self._remaining(0))
+        if made is None:
+            return _FRAMED
+        plan, fut = made
+        self._track(fut, plan.plan_nbytes)
+        return plan
+
+    def _remaining(self, layer: int) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeoutError(
+                f"transfer {self.transfer_id}: deadline passed before layer {layer}"
+            )
+        return remaining
+
+    def _track(self, fut: concurrent.futures.Future[None], nbytes: int) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+        self._nbytes += nbytes
         fut.add_done_callback(self._record_finish)
         self._futures.append(fut)
-        return fut
 
     def _record_finish(self, _: concurrent.futures.Future[None]) -> None:
         with self._lock:

@@ -1,18 +1,24 @@
 """KV transport over UCX (ucxx): worker address + tagged messages; shared memory on one host.
 
 Why this path. The receiver publishes its UCX worker address; the sender creates an endpoint from
-it with peer error handling off and sends tagged messages. On one host UCX then moves a message by
-rendezvous: the receiver answers the sender's request with its buffer's address and the sender
-writes the data straight into it (CMA, one copy; ``RNDV_SCHEME=put_zcopy``). The listener and
+it with peer error handling off and sends tagged messages. On one host UCX moves a large message
+by rendezvous; for CPU memory its data goes by active messages (``RNDV_SCHEME=am``: the sender
+copies it into shared memory, the receiver out of it into the posted buffer, both at once), which
+was faster here than the sender's CMA write (``put_zcopy``, kept for GPU memory). The listener and
 ``create_endpoint(host, port)`` path needs peer error handling, which forces TCP (~1 GiB/s,
 MACHINE-NOTES). With error handling off UCX never reports a dead peer, so every receive and
 every send here has a deadline instead.
 
-Messages. One per layer (or per layer and prefill chunk): ``[256-byte header | K | V]`` (header.py)
-under tag ``(transfer_id << 16) | layer``, so concurrent transfers to one receiver never mix. The
-receiver posts receives for a window of ``recv_window`` layers per transfer, each into its own
-buffer, and calls ``on_layer`` with views into it; messages beyond the window, or for transfers
-not expected yet, wait in UCX's unexpected queue with their data still on the sender.
+Messages, all under tags ``(transfer_id << 16) | sub``, so concurrent transfers never mix:
+  * direct (plan.py, ucx_direct.py; senders given the receiver's block ids, ids in few runs): a
+    plan, then each layer's K and V per run of blocks, from the sender's pools into the
+    receiver's, then a trailer with the first token. No gather, no scatter.
+  * framed, otherwise: one message per layer (or per layer and prefill chunk), ``[256-byte
+    header | K | V]`` (header.py), sub = layer, gathered by the sender (``gather_into``) and
+    handed to ``on_layer`` (``scatter_into``). The receiver posts receives for a window of
+    ``recv_window`` layers per transfer, each into its own buffer; messages beyond the window,
+    or for transfers not expected yet, wait in UCX's unexpected queue.
+The receiver expects both kinds until the first message of one arrives.
 
 Threading (ucx_runtime.py): one thread per transport owns the UCX worker and runs all transfer
 state: it posts requests, progresses UCX, runs completion callbacks (``on_layer`` too) and
@@ -22,30 +28,18 @@ wait on the network, so the engine thread and a grpc.aio loop can both call them
 
 Failures, each tried here with processes on loopback and SIGKILL:
   * sender killed between layers, or with messages in flight: the receiver's transfer fails with
-    TransferTimeoutError at its deadline, and the receiver lives on. (With UCX's default
-    ``get_zcopy`` rendezvous the receiver reads the sender's memory instead: the first read from
-    a dead sender failed cleanly, "Input/output error", but the next receive that matched another
-    of its messages segfaulted, and so did destroying the worker afterwards. Hence put_zcopy.)
+    TransferTimeoutError at its deadline, and the receiver lives on. (With ``get_zcopy`` the
+    receiver reads the sender's memory: reading a dead sender failed cleanly once, then a receive
+    matching another of its messages segfaulted, and so did destroying the worker. Not used.)
   * receiver gone: the first send to it fails at once ("Shared memory error"); if the sender had
     already talked to it, sends never complete: the first to pass its timeout aborts the endpoint
     (UCX cannot cancel a rendezvous send), failing every pending send to that peer;
   * a receiver drains (takes and drops) late messages of a failed transfer for ``drain_seconds``,
     so a live but late sender completes instead of timing out and aborting its endpoint.
-  * not tried (a window of microseconds): a receiver dying between its answer and the sender's
-    write; with put_zcopy that write now happens in the sender, as the read did in the receiver.
 
-Throughput (bench/transfer.py --dtype bfloat16 float32 --reps 30: 512-token prompt of the default
-model, 30 layers, two processes on 2 vCPUs of an AMD EPYC Zen 4 VM; medians of 4 runs): KV pool to
-KV pool (gather and scatter included) 1.9 GB/s bf16 and 2.6 GB/s fp32 with random block ids, 2.1
-and 3.0 GB/s with one run of blocks on each side; the wire alone (gathered buffers to landed
-messages) 3.3 GB/s bf16 and 4.6 GB/s fp32. Per message there is ~20-30 us of Python on each side
-(pooled buffers with their views, ucxx arrays and header views made once); the CMA copy of the
-rendezvous took ~2 ms of the sender's UCX thread per bf16 transfer (~1 ms with nothing else
-running), the rest being the gather, the scatter and waking up (docs/benchmarks.md).
-
-Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
+Throughput and where the time goes: docs/benchmarks.md ("KV transfer"). Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
 (cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
-makes a CUDA context current first, as ucxx's progress thread does.
+makes a CUDA context current first, as ucxx's progress thread does. Direct transfers are CPU only.
 """
 
 from __future__ import annotations
@@ -74,82 +68,38 @@ from pdserve.transfer.header import (
     KVLayout,
     LayerHeader,
     check_transfer_id,
-    header_view,
     message_buffer_of,
-    message_views,
     pack_address,
     unpack_address,
-    write_header,
     write_message,
 )
+from pdserve.transfer.plan import PLAN_NBYTES, PLAN_SUB
+from pdserve.transfer.ucx_buffers import Message, MessagePool, RawBuffer
+from pdserve.transfer.ucx_direct import SETTLE_S, DirectMixin, DirectReceive, PoolBytes
 from pdserve.transfer.ucx_runtime import Timer, UCXWorkerThread
 
 # Rendezvous by the sender writing into the receiver (process_vm_writev), not by the receiver
 # reading the sender: with get_zcopy, posting a receive that matched messages of a sender that had
 # died crashed the receiver (segfault in tag_recv, UCX 1.21, peer error handling off).
 DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
+# CPU memory: rendezvous by active messages (the sender copies the data into shared memory, the
+# receiver copies it out into the posted buffer, both at once) rather than by the sender's CMA
+# write (process_vm_writev), which moved ~3.5 GB/s here even alone (docs/benchmarks.md). Still a
+# rendezvous: a send completes only once the receiver has matched it.
+CPU_UCX_OPTIONS = {"RNDV_SCHEME": "am"}
+DEFAULT_MAX_SEGMENTS = 2  # direct up to this many segments, else gathered (docs/benchmarks.md)
 LAYER_BITS = 16
 ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << LAYER_BITS) - 1)
 CLOSE_PERIOD_NS = 100_000_000
-MAX_POOLED_PER_SIZE = 64
 
 
 def message_tag(transfer_id: int, layer: int) -> int:
     return (transfer_id << LAYER_BITS) | layer
 
 
-class _Message:
-    """A message buffer ``[header | K | V]`` and what is made of it once, not per message: the K
-    and V views for ``num_blocks`` blocks (None for a buffer of another size), ucxx's view of it,
-    and a writable view of its header (CPU). Pooled by ``_MessagePool``."""
-
-    __slots__ = ("buf", "num_blocks", "k", "v", "array", "head", "pooled")
-
-    def __init__(self, buf: torch.Tensor, num_blocks: int, k: Any, v: Any, pooled: bool) -> None:
-        self.buf, self.num_blocks, self.k, self.v, self.pooled = buf, num_blocks, k, v, pooled
-        self.array: Any = None
-        self.head = header_view(buf)
-
-    def write_header(self, header: LayerHeader) -> None:
-        if self.head is not None:
-            self.head[:] = header.pack()
-        else:
-            write_header(self.buf, header)
-
-
-class _MessagePool:
-    """Message buffers for ``layout``, reused: fresh memory costs page faults (~0.3 ms per MB
-    here), and their views cost ~10 us of Python per message to make. Any thread."""
-
-    def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
-        self._free: dict[tuple[int, torch.device], list[_Message]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, num_blocks: int, device: torch.device) -> _Message:
-        with self._lock:
-            free = self._free.get((num_blocks, device))
-            if free:
-                return free.pop()
-        nbytes = self.layout.message_nbytes(num_blocks)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        k, v = message_views(buf, LayerHeader.for_layer(self.layout, 0, 0, num_blocks))
-        msg = _Message(buf, num_blocks, k, v, pooled=True)
-        k._pdserve_message = msg  # how send_layer knows its own buffers: no search, no checks
-        return msg
-
-    def give(self, msg: _Message) -> None:
-        if not msg.pooled:
-            return
-        with self._lock:
-            free = self._free.setdefault((msg.num_blocks, msg.buf.device), [])
-            if len(free) < MAX_POOLED_PER_SIZE:
-                free.append(msg)
-
-
 @dataclass(eq=False)
 class _Send:
-    msg: _Message
+    msg: Message
     result: concurrent.futures.Future[None]
     deadline: float
     where: str
@@ -164,15 +114,26 @@ class UCXPeer(PeerHandle):
 
 
 @dataclass(eq=False)
+class _Recv:
+    """A transfer being received: framed slots until a plan says it comes direct."""
+
+    transfer: RecvTransfer
+    slots: list[_Slot]
+    plan: tuple[Any, torch.Tensor] | None = None  # the plan's receive and buffer, while posted
+    direct: DirectReceive | None = None
+    framed_seen: bool = False
+
+
+@dataclass(eq=False)
 class _Slot:
     """One receive buffer of a transfer, for layers slot, slot + window, ..."""
 
     layer: int
-    msg: _Message
+    msg: Message
     request: Any = None
 
 
-class UCXTransport(KVTransport):
+class UCXTransport(DirectMixin, KVTransport):
     def __init__(
         self,
         layout: KVLayout,
@@ -181,6 +142,7 @@ class UCXTransport(KVTransport):
         ucx_options: dict[str, str] | None = None,
         recv_window: int = 8,
         drain_seconds: float = 30.0,
+        max_segments: int = DEFAULT_MAX_SEGMENTS,
     ) -> None:
         if recv_window < 1:
             raise ValueError(f"recv_window must be >= 1, got {recv_window}")
@@ -188,16 +150,19 @@ class UCXTransport(KVTransport):
         self.device = torch.device(device)
         self.recv_window = recv_window
         self.drain_seconds = drain_seconds
+        self.max_segments = max_segments  # sent direct up to this many segments (0: never)
+        self._pool_bytes = PoolBytes()
         self._closed = False
-        self._recvs: dict[int, tuple[RecvTransfer, list[_Slot]]] = {}
+        self._recvs: dict[int, _Recv] = {}
         self._draining: dict[int, _Slot] = {}
         self._peers: set[UCXPeer] = set()
         # sends queued while the worker thread is busy are posted together, after one wake-up
         self._queue: collections.deque[tuple[UCXPeer, int, _Send]] = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_pending = False
-        self._messages = _MessagePool(layout)
-        self._ucx = UCXWorkerThread({**DEFAULT_UCX_OPTIONS, **(ucx_options or {})}, self.device)
+        self._messages = MessagePool(layout)
+        cpu = CPU_UCX_OPTIONS if self.device.type == "cpu" else {}
+        self._ucx = UCXWorkerThread({**DEFAULT_UCX_OPTIONS, **cpu, **(ucx_options or {})}, self.device)
         self._address = pack_address(layout, bytes(self._ucx.worker.address))
 
     def close(self) -> None:
@@ -212,8 +177,9 @@ class UCXTransport(KVTransport):
 
     def _shutdown(self) -> None:
         self._closed = True
-        for transfer, _ in list(self._recvs.values()):
-            transfer.fail(TransferError(f"transfer {transfer.transfer_id}: transport closed"))
+        for rec in list(self._recvs.values()):
+            tid = rec.transfer.transfer_id
+            rec.transfer.fail(TransferError(f"transfer {tid}: transport closed"))
         for tid in list(self._draining):
             self._stop_drain(tid)
         for peer in list(self._peers):
@@ -242,8 +208,16 @@ class UCXTransport(KVTransport):
             _Slot(layer, self._messages.take(transfer.num_blocks, self.device))
             for layer in range(window)
         ]
-        self._recvs[tid] = (transfer, slots)
+        rec = self._recvs[tid] = _Recv(transfer, slots)
         transfer.start(self._recv_finished)
+        self._pre_post(rec)
+        ucx = self._ucx
+        plan_buf = torch.empty(PLAN_NBYTES, dtype=torch.uint8)
+        request = ucx.worker.tag_recv(
+            ucx.array(plan_buf), ucx.tag(message_tag(tid, PLAN_SUB)), ucx.TAG_MASK_FULL
+        )
+        rec.plan = (request, plan_buf)
+        ucx.watch(request, lambda exc: self._plan_done(rec, exc))
         for slot in slots:
             self._post_recv(transfer, slot)
 
@@ -261,9 +235,15 @@ class UCXTransport(KVTransport):
         if exc is not None:
             transfer.fail(self._recv_error(exc, transfer, slot.layer))
             return
+        rec = self._recvs.get(transfer.transfer_id)
+        if rec is not None and not rec.framed_seen:  # sent framed: no direct message will come
+            rec.framed_seen = True
+            if rec.direct is not None:
+                rec.direct.cancel_all()
+                rec.direct = None
         msg = slot.msg
         transfer.deliver(msg.buf, slot.layer, (msg.k, msg.v), msg.head)
-        if transfer.done():
+        if transfer.over:
             return
         if transfer.layer_complete(slot.layer):
             slot.layer += min(self.recv_window, transfer.num_layers)
@@ -271,6 +251,15 @@ class UCXTransport(KVTransport):
             self._post_recv(transfer, slot)  # the next layer, or the next chunk of this one
         else:
             self._messages.give(msg)
+
+    def _drop_framed(self, rec: _Recv) -> None:
+        """The transfer comes direct: cancel the framed receives (none matched)."""
+        for slot in rec.slots:
+            if slot.request is not None:
+                self._ucx.forget(slot.request)
+                slot.request = None
+            self._messages.give(slot.msg)
+        rec.slots = []
 
     def _recv_error(self, exc: BaseException, transfer: RecvTransfer, layer: int) -> TransferError:
         where = f"transfer {transfer.transfer_id} layer {layer}"
@@ -285,14 +274,21 @@ class UCXTransport(KVTransport):
         return err
 
     def _recv_finished(self, transfer: RecvTransfer) -> None:
-        _, slots = self._recvs.pop(transfer.transfer_id, (None, []))
-        for slot in slots:
+        rec = self._recvs.pop(transfer.transfer_id, None)
+        if rec is None:
+            return
+        if rec.plan is not None:
+            self._ucx.forget(*rec.plan)
+            rec.plan = None
+        if rec.direct is not None and rec.direct.cancel_all() and transfer.error is not None:
+            transfer.hold_failure(SETTLE_S)  # a write into the pools may be under way
+        for slot in rec.slots:
             if slot.request is not None:  # still posted: cancel it
                 self._ucx.forget(slot.request, slot.msg)
                 slot.request = None
             elif slot.layer < transfer.num_layers:
                 self._messages.give(slot.msg)
-        exc = transfer.future.exception()
+        exc = transfer.error
         if exc is not None and not isinstance(exc, PeerUnreachableError):  # not from a dead one
             if not self._closed and self.drain_seconds > 0:
                 self._start_drain(transfer)
@@ -368,7 +364,7 @@ class UCXTransport(KVTransport):
             msg = None
             buf = message_buffer_of(k, v)  # into views of a message buffer made elsewhere?
             if buf is not None:
-                msg = _Message(buf, header.num_blocks, None, None, pooled=False)
+                msg = Message(buf, header.num_blocks, None, None, pooled=False)
         if self._closed:
             raise TransferError("transport closed")
         if not peer.alive:
@@ -380,15 +376,30 @@ class UCXTransport(KVTransport):
             write_message(msg.buf, header, k, v)
         if msg.buf.is_cuda:
             torch.cuda.current_stream(msg.buf.device).synchronize()  # UCX knows no streams
-        result: concurrent.futures.Future[None] = concurrent.futures.Future()
         where = f"transfer {header.transfer_id} layer {header.layer}"
-        send = _Send(msg, result, time.monotonic() + timeout, where)
+        tag = message_tag(header.transfer_id, header.layer)
+        return self._enqueue(peer, tag, msg, time.monotonic() + timeout, where)
+
+    def _enqueue(
+        self, peer: UCXPeer, tag: int, msg: Message | RawBuffer, deadline: float, where: str
+    ) -> concurrent.futures.Future[None]:
+        result: concurrent.futures.Future[None] = concurrent.futures.Future()
+        send = _Send(msg, result, deadline, where)  # type: ignore[arg-type]
         with self._queue_lock:
-            self._queue.append((peer, message_tag(header.transfer_id, header.layer), send))
+            self._queue.append((peer, tag, send))
             wake, self._wake_pending = not self._wake_pending, True
         if wake:
             self._call_soon(self._post_queued)
         return result
+
+    def _as_peer(self, peer: PeerHandle) -> UCXPeer:
+        if not isinstance(peer, UCXPeer):
+            raise TypeError(f"peer handle {peer!r} was not made by UCXTransport.connect")
+        if self._closed:
+            raise TransferError("transport closed")
+        if not peer.alive:
+            raise PeerUnreachableError("peer was disconnected; connect again")
+        return peer
 
     def _post_queued(self) -> None:
         with self._queue_lock:

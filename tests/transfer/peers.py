@@ -42,10 +42,17 @@ def layer_kv(
     return k, v
 
 
-def block_ids(pool_blocks: int, num_blocks: int, seed: int, run: bool = False) -> torch.Tensor:
+def block_ids(pool_blocks: int, num_blocks: int, seed: int, run: bool | int = False) -> torch.Tensor:
     """Distinct block ids for one side of a transfer (different seeds: different ids); with
-    ``run``, consecutive ones, as a fresh allocator hands them out."""
+    ``run``, consecutive ones, as a fresh allocator hands them out; with ``run`` a number n > 1,
+    n runs of consecutive ids, the later runs first (so that none joins the next)."""
     gen = torch.Generator().manual_seed(seed)
+    if run is not True and run > 1:
+        sizes = [num_blocks // run + (i < num_blocks % run) for i in range(run)]
+        gap = (pool_blocks - num_blocks) // run
+        assert gap >= 1, "no room between the runs"
+        starts = [sum(sizes[:i]) + i * gap for i in range(run)]
+        return torch.cat([torch.arange(a, a + n) for a, n in reversed(list(zip(starts, sizes, strict=True)))])
     if run:
         start = int(torch.randint(0, pool_blocks - num_blocks + 1, (), generator=gen))
         return torch.arange(start, start + num_blocks)
@@ -110,7 +117,8 @@ def stop(proc: mp.Process) -> None:
 
 def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
     """Receive transfers on command, scatter them into this process's own block ids, and report
-    ("done", tid, mismatches, bytes, block ids) or ("failed", tid, error type, message)."""
+    ("done", tid, mismatches, bytes, block ids, first token) or ("failed", tid, error type,
+    message). ``land`` False: through a custom scatter, which a transport cannot land in itself."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -119,18 +127,22 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
             conn.send(msg)
 
     def run(
-        transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float, run: bool = False
+        transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float,
+        run: bool | int = False, land: bool = True,
     ) -> None:
         pools = Pools(layout, pool_blocks)
         ids = block_ids(pool_blocks, num_blocks, seed + 7919, run)
-        transfer = transport.expect(tid, num_blocks, scatter_into(pools.k, pools.v, ids), timeout)
+        custom = None if land else lambda pool, sel, buf: pool.index_copy_(0, sel, buf)
+        on_layer = scatter_into(pools.k, pools.v, ids, scatter=custom)
+        transfer = transport.expect(tid, num_blocks, on_layer, timeout)
         reply(("expecting", tid))
         try:
             stats = transfer.wait()
         except TransferError as exc:
             reply(("failed", tid, type(exc).__name__, str(exc)))
         else:
-            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes, ids.tolist()))
+            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes, ids.tolist(),
+                   transfer.token_id))
 
     try:
         with create_transport("ucx", layout) as transport:

@@ -66,8 +66,8 @@ def test_header_roundtrip() -> None:
 
 
 def test_version_mismatch_is_rejected_with_a_clear_error() -> None:
-    header = dataclasses.replace(LayerHeader.for_layer(KVLayout(**BASE), 1, 0, 4), version=2)
-    with pytest.raises(HeaderMismatchError, match=f"v2, this worker v{PROTOCOL_VERSION}"):
+    header = dataclasses.replace(LayerHeader.for_layer(KVLayout(**BASE), 1, 0, 4), version=99)
+    with pytest.raises(HeaderMismatchError, match=f"v99, this worker v{PROTOCOL_VERSION}"):
         LayerHeader.unpack(header.pack())
     with pytest.raises(HeaderMismatchError, match="not a pdserve KV message"):
         LayerHeader.unpack(b"\0" * HEADER_NBYTES)

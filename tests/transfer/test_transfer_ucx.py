@@ -44,9 +44,12 @@ class RemoteReceiver:
         self.address = reply[1]
         self.replies: dict[int, tuple] = {}
 
-    def expect(self, tid: int, seed: int, timeout: float = 20.0, run: bool = False) -> None:
-        """``run``: into consecutive block ids (else random ones)."""
-        self.conn.send((tid, NUM_BLOCKS, seed, timeout, run))
+    def expect(
+        self, tid: int, seed: int, timeout: float = 20.0, run: bool | int = False, land: bool = True
+    ) -> None:
+        """``run``: into consecutive block ids (else random ones), or that many runs of them;
+        ``land`` False: through a custom scatter (see peers.receiver_main)."""
+        self.conn.send((tid, NUM_BLOCKS, seed, timeout, run, land))
         self.result(tid, "expecting")
 
     def result(self, tid: int, kind: str = "result") -> tuple:
@@ -103,7 +106,7 @@ def test_30_layers_of_a_512_token_prompt_land_byte_exact(
     source = Source(sender, sender.connect(receiver.address), tid, seed=tid)
     source.send(range(30))
     stats = source.tx.wait()
-    kind, _, mismatches, nbytes, _ = receiver.result(tid)
+    kind, _, mismatches, nbytes, _ = receiver.result(tid)[:5]
     assert (kind, mismatches) == ("done", [])
     assert nbytes == stats.nbytes == 30 * sender.layout.message_nbytes(NUM_BLOCKS)
 
@@ -127,7 +130,7 @@ def test_blocks_in_one_run_on_both_sides_land_byte_exact(
         gather_into(pools.k[layer], pools.v[layer], ids, k, v)
         tx.send_layer(layer, k, v)
     tx.wait()
-    kind, _, mismatches, _, landed_ids = receiver.result(tid)
+    kind, _, mismatches, _, landed_ids = receiver.result(tid)[:5]
     assert (kind, mismatches) == ("done", [])
     assert landed_ids == list(range(landed_ids[0], landed_ids[0] + NUM_BLOCKS))
 
