@@ -2,7 +2,12 @@
 
 A block is *free* when its reference count is 0. A free block that holds a full, hashed block of
 tokens stays findable by its hash until it is handed out again, so a later prompt with the same
-prefix can take it back without recomputing it (least recently freed blocks are reused first).
+prefix can take it back without recomputing it.
+
+Which free blocks are handed out: first those that hold no cached prefix, as runs of consecutive
+ids (the lowest run long enough, else the longest runs), then cached ones, least recently freed
+first. Consecutive ids are consecutive memory in the KV pools, so a request's blocks in few runs
+are copied and sent as few pieces (the KV transfer sends each run straight from pool to pool).
 
     block hash = H(parent block hash, the block's token ids)
 
@@ -41,36 +46,71 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # Free blocks in the order they are handed out (oldest freed first).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks without a cached prefix: 1 at their id (runs are found by bytearray.find).
+        self._plain = bytearray(b"\x01" * num_blocks)
+        self._num_plain = num_blocks
+        # Free blocks holding a cached prefix, in the order they are handed out (oldest freed first).
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_plain + len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Hand out ``num_blocks`` fresh blocks (ref count 1); all or nothing."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             raise MemoryError(
-                f"KV cache exhausted: asked for {num_blocks} blocks, {len(self._free)} of {self.num_blocks} free"
+                f"KV cache exhausted: asked for {num_blocks} blocks, {self.num_free_blocks} of "
+                f"{self.num_blocks} free"
             )
-        blocks = []
-        for _ in range(num_blocks):
-            block, _ = self._free.popitem(last=False)
+        blocks = self._take_plain(min(num_blocks, self._num_plain))
+        while len(blocks) < num_blocks:
+            block, _ = self._cached.popitem(last=False)
             self._forget_hash(block)
-            self._ref_counts[block] = 1
             blocks.append(block)
+        for block in blocks:
+            self._ref_counts[block] = 1
+        return blocks
+
+    def _take_plain(self, n: int) -> list[int]:
+        """``n`` free blocks without a cached prefix: the lowest run of n, else the longest runs."""
+        if n == 0:
+            return []
+        plain = self._plain
+        start = plain.find(b"\x01" * n)
+        if start >= 0:
+            runs = [(start, n)]
+        else:
+            found = []
+            pos = plain.find(1)
+            while pos >= 0:
+                end = plain.find(0, pos)
+                end = len(plain) if end < 0 else end
+                found.append((end - pos, pos))
+                pos = plain.find(1, end)
+            found.sort(key=lambda run: (-run[0], run[1]))
+            runs, left = [], n
+            for length, pos in found:
+                runs.append((pos, min(length, left)))
+                left -= min(length, left)
+                if not left:
+                    break
+        blocks = []
+        for pos, length in runs:
+            plain[pos : pos + length] = bytes(length)
+            blocks.extend(range(pos, pos + length))
+        self._num_plain -= n
         return blocks
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -83,9 +123,18 @@ class BlockAllocator:
         if block is None:
             return None
         if self._ref_counts[block] == 0:
-            del self._free[block]
+            del self._cached[block]
         self._ref_counts[block] += 1
         return block
+
+    def retain(self, blocks: Sequence[int]) -> None:
+        """Take one more reference to each of ``blocks`` (used ones): they stay allocated until
+        freed once more, e.g. while a KV transfer still reads them."""
+        for block in blocks:
+            if not 0 <= block < self.num_blocks or self._ref_counts[block] == 0:
+                raise ValueError(f"block {block} is not in use; only a used block can be retained")
+        for block in blocks:
+            self._ref_counts[block] += 1
 
     def register_hash(self, block: int, block_hash: bytes) -> None:
         """Mark a used, fully written block as holding ``block_hash`` (first writer wins)."""
@@ -106,7 +155,11 @@ class BlockAllocator:
         for block in reversed(blocks):  # tail blocks first: they are the least likely to be shared
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free[block] = None
+                if block in self._hash_of:
+                    self._cached[block] = None
+                else:
+                    self._plain[block] = 1
+                    self._num_plain += 1
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]

@@ -71,3 +71,46 @@ def test_hash_is_stable_across_processes():
     # blake2b of fixed bytes: a constant, unlike Python's salted hash().
     assert hash_block(None, [1, 2, 3]).hex() == hash_block(None, [1, 2, 3]).hex()
     assert len(hash_block(None, [1])) == 16
+
+
+def test_fresh_blocks_come_as_one_run_of_consecutive_ids():
+    a = BlockAllocator(64)
+    first, second = a.allocate(32), a.allocate(8)
+    assert first == list(range(32)) and second == list(range(32, 40))
+    a.free(first)
+    # a hole of 32 at the start: the lowest run long enough
+    assert a.allocate(20) == list(range(20))
+
+
+def test_fragmented_free_blocks_come_as_the_longest_runs():
+    a = BlockAllocator(16)
+    held = a.allocate(16)
+    a.free([held[i] for i in (1, 2, 5, 6, 7, 8, 12)])  # free runs: [1,2], [5..8], [12]
+    got = a.allocate(6)
+    assert got == [5, 6, 7, 8, 1, 2]  # the 4-run, then the 2-run: two pieces, not three
+    assert a.num_free_blocks == 1 and a.allocate(1) == [12]
+
+
+def test_blocks_holding_a_cached_prefix_are_handed_out_last():
+    a = BlockAllocator(4)
+    cached, plain = a.allocate(2), a.allocate(2)
+    h = hash_block(None, [1, 2])
+    a.register_hash(cached[0], h)
+    a.free(cached)  # cached[0] keeps its prefix, cached[1] holds none
+    a.free(plain)
+    got = a.allocate(3)
+    assert cached[0] not in got and a.lookup(h) == cached[0]
+    assert a.allocate(1) == [cached[0]] and a.lookup(h) is None  # the last one: evicted
+
+
+def test_retained_blocks_stay_in_use_until_freed_again():
+    a = BlockAllocator(4)
+    blocks = a.allocate(2)
+    a.retain(blocks)
+    a.free(blocks)  # the request ends; a KV transfer still reads them
+    assert a.num_free_blocks == 2 and all(a.ref_count(b) == 1 for b in blocks)
+    assert set(a.allocate(2)).isdisjoint(blocks)
+    a.free(blocks)
+    assert a.num_free_blocks == 2
+    with pytest.raises(ValueError, match="not in use"):
+        a.retain([blocks[0]])
