@@ -392,6 +392,11 @@ class SendTransfer:
         else:
             self.send_layer(layer, k, v)
 
+    @property
+    def direct(self) -> bool:
+        """Whether ``send_pool_layer`` sends straight from the pools (decided at its first call)."""
+        return isinstance(self._plan, DirectPlan)
+
     def finish(self, token_id: int = -1) -> None:
         """Send what is left after the last ``send_pool_layer``, with the first sampled token:
         the trailer of a direct transfer, else the held last layer."""

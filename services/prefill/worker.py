@@ -1,10 +1,12 @@
 """PrefillWorker: batched, chunked prefill whose KV is pushed layer by layer while the model runs.
 
 In the engine thread, after layer i of a forward that completes a prompt, that prompt's blocks of
-layer i are gathered (a copy, into one of the transport's message buffers) and handed to the
-transport, which sends them while layer i+1 computes. The last layer waits for sampling so that
-the first token rides in its header. The prompt's own blocks are freed by the engine right after
-the step: the gathers have copied them.
+layer i are handed to the transport (``send_pool_layer``), which sends them while layer i+1
+computes: straight from the pools into the decode worker's reserved blocks when those are in few
+runs (a direct transfer, transfer/plan.py), else gathered into a message buffer first. The first
+token follows after sampling (``finish``). A direct transfer reads the pools until its sends
+complete, so the prompt's blocks get one more reference (``BlockAllocator.retain``) when its
+first layer leaves, dropped once the transfer is over, whatever way it ends.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
-from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats, gather_into
+from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats
 
 
 @dataclass
@@ -39,7 +41,8 @@ class _Send:
     tx: SendTransfer
     num_blocks: int
     block_ids: torch.Tensor | None = None  # the prompt's blocks in this step's pools, int64
-    last_layer: tuple[torch.Tensor, torch.Tensor] | None = None
+    retained: list[int] | None = None  # blocks kept allocated while a direct transfer reads them
+    ready: bool = False  # every layer handed to the transport: finish() after sampling
     error: BaseException | None = None
     submitted: float = 0.0  # perf_counter when handed to the engine
     scheduled: float = 0.0  # perf_counter when its first forward had run layer 0
@@ -101,7 +104,7 @@ class PrefillWorker:
         self.metrics.request_ended("ok")
         self.metrics.generated_tokens.inc()
         log.info("prefill.done", prompt_tokens=len(prompt_ids), cached_prompt_tokens=out.num_cached_tokens,
-                 kv_bytes=stats.nbytes, kv_gbps=round(stats.gbps, 3))
+                 kv_bytes=stats.nbytes, kv_gbps=round(stats.gbps, 3), kv_overlap=round(overlap, 3))
         telemetry.end_span(span)
         return out, stats, overlap
 
@@ -114,7 +117,8 @@ class PrefillWorker:
         ctx = telemetry.context_of(span)
         peer = await asyncio.to_thread(self._peer, dest.kv_address)
         tx = self.transport.start_send(peer, dest.transfer_id, num_prompt_blocks, dest.timeout_s,
-                                       traceparent=telemetry.traceparent(ctx))
+                                       traceparent=telemetry.traceparent(ctx),
+                                       dst_block_ids=dest.block_ids)
         send = self._sends[request_id] = _Send(tx, num_prompt_blocks, submitted=time.perf_counter())
         q = self.loop.open_stream(request_id)
         done = False
@@ -141,13 +145,15 @@ class PrefillWorker:
             self.metrics.transfer("send", stats.nbytes, stats.seconds)
             end = time.time_ns()
             telemetry.record_span("kv.send", ctx, end - int(stats.seconds * 1e9), end,
-                                  {**stats.attributes(), "overlap_fraction": overlap})
+                                  {**stats.attributes(), "overlap_fraction": overlap, "direct": tx.direct})
             return out, stats, overlap
         finally:
             self.loop.close_stream(request_id)
             self._sends.pop(request_id, None)
             if not done:
                 await self.loop.call(lambda e: e.abort_request(request_id))
+            if send.retained is not None:  # the engine thread may have retained them meanwhile
+                await self.loop.call(lambda e: self._release(e, send))
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -163,29 +169,35 @@ class PrefillWorker:
             if layer == 0 or send.block_ids is None:  # then the same blocks for every layer
                 send.block_ids = torch.tensor(seq.block_table[: send.num_blocks], dtype=torch.long,
                                               device=k_cache.device)
-            # Gather straight into the transport's message buffers: sent without another copy
-            # (in C on CPU, a memcpy per run of consecutive blocks).
-            k, v = send.tx.layer_buffers()
-            gather_into(k_cache, v_cache, send.block_ids, k, v)
-            if layer == self._num_layers - 1:
-                send.last_layer = (k, v)  # goes out with the first token, after sampling
-                continue
             try:
-                send.tx.send_layer(layer, k, v)
+                # direct from the pools, or gathered into a message buffer (in C on CPU, a memcpy
+                # per run of consecutive blocks); the last layer's first token follows later
+                send.tx.send_pool_layer(layer, k_cache, v_cache, send.block_ids)
+                if send.tx.direct and send.retained is None:
+                    send.retained = seq.block_table[: send.num_blocks]
+                    self.engine.allocator.retain(send.retained)
                 if not send.first_send:
                     send.first_send = time.perf_counter()
             except Exception as e:  # noqa: BLE001 - reported to the waiting request
                 send.error = e
+            if layer == self._num_layers - 1:
+                send.ready = True
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             send = self._sends.get(out.request_id)
-            if send is None or send.last_layer is None or send.error is not None:
+            if send is None or not send.ready or send.error is not None:
                 continue
-            k, v = send.last_layer
-            send.last_layer = None
+            send.ready = False
             send.compute_end = time.perf_counter()
             try:
-                send.tx.send_layer(self._num_layers - 1, k, v, token_id=out.new_token_ids[0])
+                send.tx.finish(token_id=out.new_token_ids[0])
             except Exception as e:  # noqa: BLE001
                 send.error = e
+
+    @staticmethod
+    def _release(engine: LLMEngine, send: _Send) -> None:
+        """Engine thread: drop the reference ``_on_layer`` took for a direct transfer."""
+        if send.retained is not None:
+            blocks, send.retained = send.retained, None
+            engine.allocator.free(blocks)

@@ -16,6 +16,8 @@ from pdserve.model.config import ModelConfig
 from pdserve.otlp_sink import SpanSink
 from pdserve.serve_cli import stop_processes
 from pdserve.transfer import KVLayout
+from pdserve.transfer.header import HEADER_NBYTES
+from pdserve.transfer.plan import plan_nbytes
 from tests.e2e.cluster import start_cluster
 
 SECRET = "zebra quokka marmalade"  # a prompt that must never appear in the logs
@@ -61,7 +63,10 @@ def _kv_bytes(model_dir, num_prompt_tokens: int, block_size: int = 16) -> int:
     cfg = ModelConfig.from_file(model_dir / "config.json")
     layout = KVLayout(model=model_dir.name, dtype=resolve_dtype("auto", "cpu"), block_size=block_size,
                       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-    return cfg.num_layers * layout.message_nbytes(-(-num_prompt_tokens // block_size))
+    # Sent direct (transfer/plan.py): the decode worker's fresh blocks are one run, so a plan
+    # with one segment, each layer's K and V, and the trailer with the first token.
+    num_blocks = -(-num_prompt_tokens // block_size)
+    return plan_nbytes(1) + cfg.num_layers * 2 * num_blocks * layout.block_nbytes() + HEADER_NBYTES
 
 
 def test_one_request_is_one_trace_across_the_three_services(traced, default_model_dir):
@@ -99,6 +104,7 @@ def test_one_request_is_one_trace_across_the_three_services(traced, default_mode
         assert kv["bytes"] == expected_bytes, name
         assert kv["layers"] == cfg.num_layers and kv["gbps"] > 0 and kv["seconds"] > 0, name
     assert 0 <= t["kv.send"]["attributes"]["overlap_fraction"] <= 1
+    assert t["kv.send"]["attributes"]["direct"] is True
     d = t["decode.generate"]["attributes"]
     assert (d["completion_tokens"], d["finish_reason"]) == (5, "length")  # the first came from prefill
     # No span per token.
