@@ -21,6 +21,12 @@ Block ids (``--ids``, both sides): ``random`` (default; the worst case, every bl
 receiver's transfer completing (CLOCK_MONOTONIC is shared by processes on one host); bytes count
 payload and headers (256 bytes per framed message; plan and trailer of a direct transfer).
 Prints the median and range over ``--reps`` transfers after ``--warmup``.
+
+``--serving N`` measures the workers instead (the default model, bf16): N prompts of ``--tokens``
+random tokens through a prefill and a decode worker, one core each; per transfer the prefill
+worker's report: bytes, seconds from its first layer's send to the last message taken (the
+forward's later layers included), the share of that during which the model was still computing
+(``overlap_fraction``), and what was left after the compute.
 """
 
 from __future__ import annotations
@@ -165,6 +171,56 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
     )
 
 
+def serving(args: argparse.Namespace) -> None:
+    """``--serving N``: N prompts of ``--tokens`` tokens through a real prefill and decode worker
+    (one core each, as bench/disagg_vs_colocated.py), driven below the gateway as the gateway
+    drives them; prints what the prefill worker reports of each transfer."""
+    import grpc
+
+    from pdserve.serve_cli import start_process, stop_processes
+    from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    env = dict(UCX_ENV)
+    common = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
+    procs = []
+    try:
+        gw = start_process(["gateway", "--port", "0"], env=env)
+        procs.append(gw.proc)
+        workers = {}
+        for role, cpu in (("prefill", "0"), ("decode", "1")):
+            w = start_process([role, "--threads", "1", "--cpus", cpu, *common, "--gateway", gw.address], env=env)
+            procs.append(w.proc)
+            workers[role] = w.address
+        rows = []
+        gen = torch.Generator().manual_seed(0)
+        sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0)
+        with grpc.insecure_channel(workers["decode"]) as dch, grpc.insecure_channel(workers["prefill"]) as pch:
+            decode, prefill = worker_pb2_grpc.DecodeStub(dch), worker_pb2_grpc.PrefillStub(pch)
+            for i in range(args.warmup + args.serving):
+                ids = torch.randint(100, 40000, (args.tokens,), generator=gen).tolist()  # no prefix hits
+                rid = f"bench-{i}"
+                call = decode.Generate(worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_timeout_ms=30000), timeout=120)
+                dest = next(call).admitted.destination
+                out = prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, destination=dest), timeout=120)
+                for _ in call:  # the decode side finishes: its blocks are free again
+                    pass
+                t = out.transfer
+                if i >= args.warmup:
+                    rows.append((t.bytes, t.seconds, t.gbps, t.overlap_fraction))
+                    print(f"transfer {i}: {t.bytes} bytes, {t.seconds * 1e3:.1f} ms, {t.gbps:.3f} GB/s, "
+                          f"overlap {t.overlap_fraction:.3f}, after compute {t.seconds * (1 - t.overlap_fraction) * 1e3:.2f} ms",
+                          flush=True)
+    finally:
+        stop_processes(procs)
+    med = [statistics.median(col) for col in zip(*rows, strict=True)]
+    exposed = statistics.median(s * (1 - o) for _, s, _, o in rows)
+    print(f"serving, {args.tokens}-token prompts, {len(rows)} transfers: median {med[0]:.0f} bytes, "
+          f"{med[1] * 1e3:.1f} ms ({med[2]:.3f} GB/s, the prefill's compute included), overlap "
+          f"{med[3]:.3f}, after the compute {exposed * 1e3:.2f} ms", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -180,6 +236,10 @@ def main() -> None:
         "--ids", default="random",
         help="block ids on both sides: random (worst case), allocator (one run) or runs:N",
     )
+    parser.add_argument(
+        "--serving", type=int, default=0, metavar="N",
+        help="instead: N prompts through real prefill and decode workers (the model's own layout)",
+    )
     parser.add_argument("--pool-factor", type=int, default=4, help="pool size / transfer size")
     parser.add_argument("--max-segments", type=int, default=2, help="direct up to this many segments")
     parser.add_argument("--recv-window", type=int, default=8, help="receives posted per transfer")
@@ -193,6 +253,9 @@ def main() -> None:
     for key, value in UCX_ENV.items():  # loopback only, like the tests
         os.environ.setdefault(key, value)
     torch.set_num_threads(1)
+    if args.serving:
+        serving(args)
+        return
     for dtype in args.dtype:
         for mode in args.mode:
             run(dtype, mode, args)

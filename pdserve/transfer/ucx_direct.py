@@ -267,10 +267,11 @@ class DirectMixin:
 
     def _plan_done(self, rec: Any, exc: BaseException | None) -> None:
         """The sender sends this transfer direct."""
+        if rec.plan is None or rec.transfer.over:  # over (and forgotten) in this same reap
+            rec.plan = None
+            return
         transfer, (_, buf) = rec.transfer, rec.plan
         rec.plan = None
-        if transfer.over:
-            return
         if exc is not None:
             transfer.fail(self._recv_error(exc, transfer, 0))  # type: ignore[attr-defined]
             return

@@ -66,6 +66,7 @@ class UCXWorkerThread:
         self._timers: list[Timer] = []
         self._seq = itertools.count()
         self._watched: list[tuple[Any, Completion]] = []
+        self._forgotten: set[int] = set()  # ids of requests forgotten while _reap runs callbacks
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -148,6 +149,7 @@ class UCXWorkerThread:
         """Stop watching ``request`` and cancel it (ucxx cancels a request when it is dropped);
         its buffers stay referenced for QUARANTINE_S in case UCX is still using them."""
         self._watched = [(r, cb) for r, cb in self._watched if r is not request]
+        self._forgotten.add(id(request))
         self.call_at(time.monotonic() + QUARANTINE_S, _noop, keep_alive)
 
     def array(self, buf: torch.Tensor) -> Any:
@@ -235,7 +237,10 @@ class UCXWorkerThread:
         if not done:
             return False
         self._watched = waiting
+        self._forgotten.clear()
         for request, on_done in done:
+            if self._forgotten and id(request) in self._forgotten:
+                continue  # forgotten by an earlier callback of this pass: not ours to report
             try:
                 request.check_error()
             except Exception as exc:  # noqa: BLE001 - the UCX status, handed to the callback
