@@ -460,7 +460,8 @@ static inline void touch_rows(const uint16_t *k_cache, const uint16_t *v_cache,
 static inline void prefetch_span(const Pool *p, const int32_t *blocks, int64_t t0, int64_t t1,
                                  int64_t context_len) {
     const int bs = p->block_size, row_bytes = p->num_kv_heads * p->head_dim * 2;
-    const int64_t end = t1 < context_len ? t1 : context_len;
+    int64_t end = t1 < context_len ? t1 : context_len;
+    if (end > p->max_blocks * bs) end = p->max_blocks * bs; /* a bad context_len: reported later */
     for (int64_t pos = t0; pos < end;) { /* a run of consecutive rows of one block at a time */
         const int64_t block = blocks[pos / bs];
         if (block < 0 || block >= p->num_blocks) return; /* reported when the span is read */
@@ -486,7 +487,8 @@ static inline void prefetch_span(const Pool *p, const int32_t *blocks, int64_t t
  */
 static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stride,
                            const int32_t *blocks, int32_t context_len, float scale, uint16_t *out,
-                           float *acc) {
+                           float *acc, int prefetched, const int32_t *next_blocks,
+                           int32_t next_len) {
     const int group = p->group, hd = p->head_dim, num_kv_heads = p->num_kv_heads;
     const int num_heads = group * num_kv_heads, row = num_kv_heads * hd;
     const int chunk = 16 / (hd / 16); /* query heads whose outputs fit in 16 registers */
@@ -502,9 +504,12 @@ static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stri
         const int n = context_len - t0 < SPAN ? (int)(context_len - t0) : SPAN;
         const int tiles = (n + TOK - 1) / TOK;
         if ((bad = span_rows(p, blocks, t0, n, tiles * TOK, rows))) break;
-        if (t0 == 0) touch_rows(k_cache, v_cache, rows, n, row); /* later spans were prefetched */
-        /* the next span goes into L2 in num_heads x SPAN/TOK parts, one per score tile below */
-        const int64_t next = t0 + SPAN;
+        if (t0 == 0 && !prefetched) touch_rows(k_cache, v_cache, rows, n, row);
+        /* the next span goes into L2 in num_heads x SPAN/TOK parts, one per score tile below:
+         * this sequence's, or after its last span the first of the thread's next sequence */
+        const int last = t0 + SPAN >= context_len;
+        const int32_t *pf_blocks = last ? next_blocks : blocks;
+        const int64_t next = last ? 0 : t0 + SPAN, pf_len = last ? next_len : context_len;
         const int parts = num_heads * (SPAN / TOK);
         for (int g = 0; g < num_kv_heads; g++) {
             const uint16_t *krows[SPAN], *vrows[SPAN];
@@ -517,9 +522,9 @@ static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stri
                 __m512 mx = _mm512_set1_ps(m[h]);
                 for (int j = 0; j < tiles; j++) {
                     const int part = h * (SPAN / TOK) + j;
-                    if (next < context_len)
-                        prefetch_span(p, blocks, next + (int64_t)part * SPAN / parts,
-                                      next + (int64_t)(part + 1) * SPAN / parts, context_len);
+                    if (pf_blocks && next < pf_len)
+                        prefetch_span(p, pf_blocks, next + (int64_t)part * SPAN / parts,
+                                      next + (int64_t)(part + 1) * SPAN / parts, pf_len);
                     s[j] = qk16(q + h * q_head_stride, krows + j * TOK, hd, scale);
                     const int left = n - j * TOK;
                     if (left < TOK)
@@ -822,15 +827,26 @@ int pdserve_paged_decode_attention(
 #endif
 #if ATTN_NATIVE
     if (native) {
+        int64_t claimed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
         {
             float acc[num_heads * head_dim]; /* per thread: every head's outputs in fp32 */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t s = 0; s < num_seqs; s++)
-                num_bad += decode_seq_bf16(&pool, (const uint16_t *)q + s * q_seq_stride,
-                                           q_head_stride, block_tables + s * bt_stride,
-                                           context_lens[s], scale,
-                                           (uint16_t *)out + s * num_heads * head_dim, acc);
+            /* sequences handed out one at a time, each thread claiming its next one as it starts
+             * the current one: the current one's last span prefetches the next one's first */
+            int64_t cur, nxt;
+#pragma omp atomic capture
+            cur = claimed++;
+            for (int prefetched = 0; cur < num_seqs; cur = nxt, prefetched = 1) {
+#pragma omp atomic capture
+                nxt = claimed++;
+                const int has_next = nxt < num_seqs;
+                num_bad += decode_seq_bf16(&pool, (const uint16_t *)q + cur * q_seq_stride,
+                                           q_head_stride, block_tables + cur * bt_stride,
+                                           context_lens[cur], scale,
+                                           (uint16_t *)out + cur * num_heads * head_dim, acc,
+                                           prefetched, has_next ? block_tables + nxt * bt_stride : NULL,
+                                           has_next ? context_lens[nxt] : 0);
+            }
         }
         return (int)num_bad;
     }
