@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as a flat loop of C calls (the CPU backend's ``decode_loop``).
+"""A decode step's decoder layers in one C call (the CPU backend's ``compile_decode_loop``).
 
 The module path (``pdserve/model/llama.py``) runs nine kernel entry points per layer, each
 checking its inputs, allocating its output and converting its index tensors, through
@@ -6,8 +6,9 @@ checking its inputs, allocating its output and converting its index tensors, thr
 (``pdserve bench offline --profile 1``: 16-40 us around each kernel call of a few us). Here the
 same C functions get the same arguments, with everything that does not change within a step
 worked out once per step (buffers, index tensors, thread count) and everything that does not
-change between steps once per model (packed weights, norms, biases, shapes): the logits are bit
-for bit the module path's (tests/engine/test_decode_loop.py).
+change between steps once per model (packed weights, norms, biases, shapes), and the layers run
+in ``decode_loop.c``, which calls the kernels through function pointers: the logits are bit for
+bit the module path's (tests/engine/test_decode_loop.py).
 
 It covers what those kernels cover natively: bf16 weights and KV pools on a CPU with
 AVX512-BF16 (head_dim 64 or 128), decode-only batches. ``compile_decode_loop(model)`` returns
@@ -16,60 +17,97 @@ None otherwise and the module path runs.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu import fused, gemm, ops
 
+_SOURCE = Path(__file__).with_name("decode_loop.c")
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("ln1", "ln2", "qkv_w", "o_w", "gate_up_w", "down_w", "qkv_b",
+                                        "o_b", "gate_up_b", "down_b", "k_cache", "v_cache")] + [
+        ("eps1", _F32), ("eps2", _F32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = (
+        [(name, _P) for name in ("rms_norm", "linear", "rope", "attention", "silu_mul")]
+        + [(name, _I64) for name in ("m", "hidden", "inter", "heads", "kv_heads", "head_dim", "width",
+                                     "block_size", "num_blocks", "max_positions", "bt_width", "bt_stride")]
+        + [("scale", _F32), ("num_threads", _I32)]
+        + [(name, _P) for name in ("embeddings", "normed", "qkv", "attn", "o", "gate_up", "act", "down",
+                                   "positions", "slots", "block_tables", "context_lens", "cos", "sin")]
+    )
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = ops.load_or_warn(_SOURCE, "decode loop")
+    if lib is not None:
+        lib.pdserve_decode_layers.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _I64,
+                                              ctypes.POINTER(_I32), ctypes.POINTER(_I64)]
+        lib.pdserve_decode_layers.restype = _I64
+    return lib
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, _P).value
 
 
 class DecodeLoop:
     """``loop(input_ids, positions, kv_caches, meta)`` -> the final norm's output, as
     ``LlamaForCausalLM.forward`` for a decode-only batch."""
 
-    def __init__(self, model, packing, fused_lib, attn_lib) -> None:
+    def __init__(self, model, packing, fused_lib, attn_lib, loop_lib) -> None:
         cfg = model.config
         self.model = model
-        self.packing, self.fused, self.attn = packing, fused_lib, attn_lib
+        self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
         self.hidden, self.heads, self.kv_heads, self.head_dim = (
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.inter = cfg.intermediate_size
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         rope = model.layers[0].self_attn.rope
         self.cos, self.sin = rope.cos, rope.sin
-        self.scale = model.layers[0].self_attn.scale
-        self.eps = [(layer.input_layernorm.eps, layer.post_attention_layernorm.eps) for layer in model.layers]
-        self.final_eps = model.norm.eps
-        self._versions: list[int] | None = None
-        self._weights = [p for p in model.parameters()]
+        self.functions = (_address(fused_lib.pdserve_rms_norm), _address(packing.linear),
+                          _address(fused_lib.pdserve_rope_write_kv),
+                          _address(attn_lib.pdserve_paged_decode_attention),
+                          _address(fused_lib.pdserve_silu_mul))
+        self._weights = list(model.parameters())
+        self._key: tuple | None = None
 
-    def _layer_pointers(self) -> list[tuple]:
-        """Per layer: the norms', packed projections' and biases' addresses; rebuilt when any
-        parameter was written in place (its version moves on, as for ``gemm``'s packing)."""
-        versions = [p._version for p in self._weights]
-        if versions == self._versions:
-            return self._pointers
-        packed = lambda lin: gemm._packed_weight(self.packing, lin.weight)  # noqa: E731
-        self._packed_keep = []  # the packed tensors, alive while their addresses are used
-        pointers = []
-        for layer in self.model.layers:
+    def _layers(self, kv_caches) -> ctypes.Array:
+        """Per layer: the norms', packed projections', biases' and KV pools' addresses; rebuilt
+        when a parameter was written in place (its version moves on, as for ``gemm``'s packing)
+        or the pools are others."""
+        key = (tuple(p._version for p in self._weights), tuple(k.data_ptr() for k, _ in kv_caches))
+        if key == self._key:
+            return self._array
+        layers = (_Layer * len(self.model.layers))()
+        keep = []  # the packed tensors, alive while their addresses are used
+        for entry, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            entry = []
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                p = packed(lin)
-                self._packed_keep.append(p)
-                entry += [p.data_ptr(), _ptr(lin.bias)]
-            pointers.append((layer.input_layernorm.weight.data_ptr(),
-                             layer.post_attention_layernorm.weight.data_ptr(), *entry))
-        self._pointers, self._versions = pointers, versions
-        return pointers
+            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                              ("down", mlp.down_proj)):
+                packed = gemm._packed_weight(self.packing, lin.weight)
+                keep.append(packed)
+                setattr(entry, f"{name}_w", packed.data_ptr())
+                setattr(entry, f"{name}_b", None if lin.bias is None else lin.bias.data_ptr())
+            entry.ln1 = layer.input_layernorm.weight.data_ptr()
+            entry.ln2 = layer.post_attention_layernorm.weight.data_ptr()
+            entry.eps1, entry.eps2 = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._array, self._keep, self._key = layers, keep, key
+        return layers
 
     def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         m = input_ids.shape[0]
-        hd, heads, kvh, width = self.head_dim, self.heads, self.kv_heads, self.qkv_width
         block_tables = ops.int32_rows(meta.decode_block_tables)
         lens = meta.decode_context_lens.to(torch.int32).contiguous()
         positions = positions.to(torch.int64).contiguous()
@@ -79,53 +117,37 @@ class DecodeLoop:
                 f"decode step of {m} tokens with {positions.numel()} positions, {slots.numel()} "
                 f"slots, {lens.numel()} context lengths and {block_tables.shape[0]} block table rows")
         k0 = kv_caches[0][0]
-        num_blocks, block_size = k0.shape[0], k0.shape[1]
         for k, v in kv_caches:
             if not (k.dtype == v.dtype == torch.bfloat16 and k.shape == v.shape == k0.shape
                     and k.is_contiguous() and v.is_contiguous()):
                 raise ValueError("decode loop: every KV pool must be bf16, contiguous and of one shape")
-        threads = torch.get_num_threads()
-        emb = F.embedding(input_ids, self.model.embed_tokens.weight)
-        residual = emb  # layer 0 normalizes the embeddings; from then on they are the residual stream
-        x = emb
+        layers = self._layers(kv_caches)
+        emb = F.embedding(input_ids, self.model.embed_tokens.weight)  # then the residual stream
         empty = lambda n: torch.empty(m, n, dtype=torch.bfloat16)  # noqa: E731
-        normed, qkv, out, o, gate_up, act, down = (
-            empty(self.hidden), empty(width), empty(heads * hd), empty(self.hidden),
-            empty(2 * self.inter), empty(self.inter), empty(self.hidden))
-        lin = self.packing.linear
-        rms, rope, silu = self.fused.pdserve_rms_norm, self.fused.pdserve_rope_write_kv, self.fused.pdserve_silu_mul
-        decode = self.attn.pdserve_paged_decode_attention
-        H, I = self.hidden, self.inter  # noqa: E741
-        p_normed, p_qkv, p_out, p_o, p_gu, p_act, p_down = (
-            normed.data_ptr(), qkv.data_ptr(), out.data_ptr(), o.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), down.data_ptr())
-        p_res, p_pos, p_slots = residual.data_ptr(), positions.data_ptr(), slots.data_ptr()
-        p_bt, p_lens, bt_width, bt_stride = (block_tables.data_ptr(), lens.data_ptr(),
-                                            block_tables.shape[1], block_tables.stride(0))
-        p_cos, p_sin, max_pos = self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0]
-        num_slots = num_blocks * block_size
-        for i, (ln1, ln2, qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self._layer_pointers()):
-            eps1, eps2 = self.eps[i]
-            k_cache, v_cache = kv_caches[i]
-            rms(x.data_ptr() if i == 0 else p_down, None if i == 0 else p_res, ln1, p_normed, m, H, eps1, 1, threads)
-            lin(p_normed, qkv_w, qkv_b, p_qkv, m, width, H, threads)
-            bad = rope(p_qkv, m, width, heads, kvh, hd, p_pos, p_cos, p_sin, max_pos, k_cache.data_ptr(),
-                       v_cache.data_ptr(), p_slots, num_slots, 1, threads)
-            if bad:
-                raise ValueError(f"rope_write_kv: {bad} tokens have a position outside [0, {max_pos}) or a "
-                                 f"slot outside [0, {num_slots}); nothing was written for them")
-            bad = decode(p_qkv, k_cache.data_ptr(), v_cache.data_ptr(), p_bt, p_lens, p_out, m, heads, kvh,
-                         hd, block_size, num_blocks, bt_width, bt_stride, width, hd, self.scale, 1, threads)
-            if bad:
-                raise ValueError(f"paged_decode_attention: {bad} (sequence, kv head) tasks have a context_len "
-                                 f"beyond their block table row or block ids outside [0, {num_blocks})")
-            lin(p_out, o_w, o_b, p_o, m, H, heads * hd, threads)
-            rms(p_o, p_res, ln2, p_normed, m, H, eps2, 1, threads)
-            lin(p_normed, gu_w, gu_b, p_gu, m, 2 * I, H, threads)
-            silu(p_gu, p_act, m, I, 1, threads)
-            lin(p_act, down_w, down_b, p_down, m, H, I, threads)
+        H, inter, width = self.hidden, self.inter, self.qkv_width
+        bufs = {"normed": empty(H), "qkv": empty(width), "attn": empty(self.heads * self.head_dim),
+                "o": empty(H), "gate_up": empty(2 * inter), "act": empty(inter), "down": empty(H)}
+        step = _Step(
+            *self.functions, m, H, inter, self.heads, self.kv_heads, self.head_dim, width,
+            k0.shape[1], k0.shape[0], self.cos.shape[0], block_tables.shape[1], block_tables.stride(0),
+            self.model.layers[0].self_attn.scale, torch.get_num_threads(), emb.data_ptr(),
+            *(t.data_ptr() for t in bufs.values()), positions.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), lens.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr())
+        kind, count = _I32(), _I64()
+        failed = self.lib.pdserve_decode_layers(ctypes.byref(step), layers, len(layers), ctypes.byref(kind),
+                                                ctypes.byref(count))
+        if failed >= 0 and kind.value == 0:
+            raise ValueError(
+                f"rope_write_kv (layer {failed}): {count.value} tokens have a position outside "
+                f"[0, {self.cos.shape[0]}) or a slot outside [0, {k0.shape[0] * k0.shape[1]}); "
+                "nothing was written for them")
+        if failed >= 0:
+            raise ValueError(
+                f"paged_decode_attention (layer {failed}): {count.value} (sequence, kv head) tasks "
+                f"have a context_len beyond their block table row or block ids outside [0, {k0.shape[0]})")
         final = torch.empty(m, H, dtype=torch.bfloat16)
-        rms(p_down, p_res, self.model.norm.weight.data_ptr(), final.data_ptr(), m, H, self.final_eps, 1, threads)
+        self.fused.pdserve_rms_norm(bufs["down"].data_ptr(), emb.data_ptr(), self.model.norm.weight.data_ptr(),
+                                    final.data_ptr(), m, H, self.model.norm.eps, 1, torch.get_num_threads())
         return final
 
 
@@ -134,7 +156,8 @@ def compile_decode_loop(model) -> DecodeLoop | None:
     all run natively (see the module docstring)."""
     packing = gemm._packing()
     fused_lib = fused._fused_library()
-    if packing is None or fused_lib is None or not ops.attention_bf16_native():
+    loop_lib = _library()
+    if packing is None or fused_lib is None or loop_lib is None or not ops.attention_bf16_native():
         return None
     cfg = model.config
     params = list(model.parameters())
@@ -145,4 +168,4 @@ def compile_decode_loop(model) -> DecodeLoop | None:
     rope = model.layers[0].self_attn.rope
     if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
         return None
-    return DecodeLoop(model, packing, fused_lib, ops._library())
+    return DecodeLoop(model, packing, fused_lib, ops._library(), loop_lib)
