@@ -456,7 +456,8 @@ static inline void touch_rows(const uint16_t *k_cache, const uint16_t *v_cache,
  * slices (36 for the default model), one per score tile of the span in use: the prefetches then never queue up behind each other (all
  * of a span at once, the old way, or into L1 measured slower), and with the rows already in L2
  * the span needs no touch_rows pass. 32 x 576 tokens, cold shuffled pools, 2-core Zen 4:
- * 0.755-0.82x the time of one prefetch per span plus touch_rows (bench: attab in the docs). */
+ * 0.755-0.82x the time of one prefetch per span plus touch_rows (the old and new kernel side by
+ * side; `python -m bench.kernels --only attention` prints the "from memory" case). */
 static inline void prefetch_span(const Pool *p, const int32_t *blocks, int64_t t0, int64_t t1,
                                  int64_t context_len) {
     const int bs = p->block_size, row_bytes = p->num_kv_heads * p->head_dim * 2;
