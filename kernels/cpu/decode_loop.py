@@ -2,7 +2,7 @@
 
 The module path (``pdserve/model/llama.py``) runs nine kernel entry points per layer, each
 checking its inputs, allocating its output and converting its index tensors, through
-``nn.Module`` calls: at batch 1 on the 2-core Zen 4 that Python took ~8 of a step's ~19 ms
+``nn.Module`` calls: at batch 1 on the 2-core Zen 4 that Python took ~6 of a step's ~19 ms
 (``pdserve bench offline --profile 1``: 16-40 us around each kernel call of a few us). Here the
 same C functions get the same arguments, with everything that does not change within a step
 worked out once per step (buffers, index tensors, thread count) and everything that does not
