@@ -15,9 +15,9 @@ Measurements per dtype (``--mode``), over UCX between two processes on loopback:
   wire    the framed transport alone: layers gathered before the clock starts, landed layers
           dropped.
 
-Block ids (``--ids``, both sides): ``random`` (default; the worst case, every block its own copy),
-``allocator`` (one run of consecutive blocks, as a fresh BlockAllocator hands them out) or
-``runs:N`` (N runs at random places). Seconds run from the first send (or gather) to the
+Block ids (``--ids``, both sides): ``allocator`` (default: one run of consecutive blocks, as the
+workers' BlockAllocator hands them out while free blocks are not fragmented), ``random`` (the
+worst case, every block its own copy: always framed) or ``runs:N`` (N runs at random places). Seconds run from the first send (or gather) to the
 receiver's transfer completing (CLOCK_MONOTONIC is shared by processes on one host); bytes count
 payload and headers (256 bytes per framed message; plan and trailer of a direct transfer).
 Prints the median and range over ``--reps`` transfers after ``--warmup``.
@@ -233,8 +233,8 @@ def main() -> None:
         "--mode", nargs="+", default=["pool", "framed", "wire"], choices=["pool", "framed", "wire"]
     )
     parser.add_argument(
-        "--ids", default="random",
-        help="block ids on both sides: random (worst case), allocator (one run) or runs:N",
+        "--ids", default="allocator",
+        help="block ids on both sides: allocator (one run, the default), random (worst case) or runs:N",
     )
     parser.add_argument(
         "--serving", type=int, default=0, metavar="N",
