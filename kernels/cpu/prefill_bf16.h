@@ -1,0 +1,239 @@
+/*
+ * Prefill attention on AVX512-BF16: part of paged_attention.c, which includes this file inside its
+ * AVX512-BF16 section after decode_bf16.h (it uses paged_attention.c's Pool and row_index,
+ * decode_bf16.h's SPAN, TOK and exp16_nonpos, and ATTN_UNROLL); kept apart only to keep each
+ * file readable.
+ */
+#ifndef PDSERVE_PREFILL_BF16_H
+#define PDSERVE_PREFILL_BF16_H
+
+/*
+ * Prefill (causal) attention for bf16 pools, head_dim 64 or 128, on AVX512-BF16.
+ *
+ * Phase 1, per (sequence, kv head): its keys and values, gathered from the paged pool into two
+ * layouts that vdpbf16ps multiplies without any reduction across lanes:
+ *
+ *   kt[tile][p][16]   dword p (dims 2p, 2p+1) of each of a tile's 16 keys: scores of 16 keys
+ *                     for one query = sum over p of (q's dword p broadcast) . kt[tile][p]
+ *   vp[pair][d]       dims d of two consecutive values, interleaved: outputs 16 dims at a time
+ *                     = sum over key pairs of (the pair's two probabilities broadcast) . vp
+ *
+ * (keys past the context are zero, their scores masked). Phase 2, per (sequence, kv head, block
+ * of 16 queries): for each query head of the group, 4 queries at a time, spans of 64 keys up to
+ * the diagonal: scores (16 accumulators: 4 queries x 4 key tiles), the causal mask, an online
+ * softmax step, probabilities to bf16 pairs (as on GPUs), then P @ V into fp32 outputs.
+ */
+#define QB 16 /* queries per task */
+#define QR 4  /* queries whose scores are computed together */
+
+/* Gather keys 0 .. ctx-1 of kv head g into kt and values into vp (zero-padded to whole tiles). */
+static int gather_kv_t(const Pool *p, const int32_t *blocks, int64_t ctx, int g, uint32_t *kt,
+                       uint32_t *vp) {
+    const int hd = p->head_dim, dw = hd / 2;
+    const int64_t tiles = (ctx + TOK - 1) / TOK;
+    memset(kt, 0, sizeof(uint32_t) * (size_t)(tiles * TOK * dw));
+    memset(vp, 0, sizeof(uint32_t) * (size_t)(tiles * TOK * dw));
+    for (int64_t t = 0; t < ctx; t++) {
+        const int64_t block = blocks[t / p->block_size];
+        if (block < 0 || block >= p->num_blocks) return 1;
+        const int64_t row = row_index(p, block, (int)(t % p->block_size), g);
+        const uint32_t *k = (const uint32_t *)((const uint16_t *)p->k_cache + row);
+        const uint16_t *v = (const uint16_t *)p->v_cache + row;
+        uint32_t *kd = kt + (t / TOK) * TOK * dw + t % TOK;
+        for (int i = 0; i < dw; i++) kd[i * TOK] = k[i];
+        uint16_t *vd = (uint16_t *)(vp + (t / 2) * hd) + (t & 1);
+        for (int d = 0; d < hd; d++) vd[2 * d] = v[d];
+    }
+    return 0;
+}
+
+/* Queries r0 .. r0+nq-1 (nq <= QR) of query head h: rows of q at qrow[i] (bf16, head_dim),
+ * absolute positions pos[i]; outputs (fp32, natural order) accumulated in o[i], then written. */
+static inline __attribute__((always_inline)) void prefill_quad(
+    const uint16_t *const qrow[QR], const int64_t pos[QR], int nq, const uint32_t *kt,
+    const uint32_t *vp, int hd, float scale, uint16_t *const orow[QR]) {
+    const int dw = hd / 2;
+    float o[QR][hd];
+    float m[QR], l[QR];
+    uint32_t pairs[QR][SPAN / 2];
+    for (int i = 0; i < QR; i++) {
+        m[i] = -INFINITY, l[i] = 0.0f;
+        memset(o[i], 0, sizeof o[i]);
+    }
+    const int64_t last = pos[nq - 1]; /* keys 0 .. last are visible to some query of the quad */
+    for (int64_t k0 = 0; k0 <= last; k0 += SPAN) {
+        const int tiles = (int)((last - k0) / TOK + 1 < SPAN / TOK ? (last - k0) / TOK + 1 : SPAN / TOK);
+        __m512 s[QR][SPAN / TOK];
+        ATTN_UNROLL for (int i = 0; i < QR; i++)
+            ATTN_UNROLL for (int j = 0; j < SPAN / TOK; j++) s[i][j] = _mm512_setzero_ps();
+        const uint32_t *kspan = kt + (k0 / TOK) * TOK * dw;
+        for (int c = 0; c < dw; c++) {
+            __m512bh qb[QR];
+            ATTN_UNROLL for (int i = 0; i < QR; i++)
+                qb[i] = (__m512bh)_mm512_set1_epi32(((const int32_t *)qrow[i < nq ? i : 0])[c]);
+            ATTN_UNROLL for (int j = 0; j < SPAN / TOK; j++) {
+                if (j >= tiles) break;
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kspan + (j * dw + c) * TOK);
+                ATTN_UNROLL for (int i = 0; i < QR; i++) s[i][j] = _mm512_dpbf16_ps(s[i][j], qb[i], kv);
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            __m512 mx = _mm512_set1_ps(m[i]);
+            for (int j = 0; j < tiles; j++) {
+                const int64_t key0 = k0 + j * TOK; /* keys key0 + lane; visible if <= pos[i] */
+                const int64_t vis = pos[i] - key0 + 1;
+                const __mmask16 mask = vis >= TOK ? (__mmask16)0xffff
+                                       : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+                s[i][j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
+                                             _mm512_mul_ps(s[i][j], _mm512_set1_ps(scale)));
+                mx = _mm512_max_ps(mx, s[i][j]);
+            }
+            const float m_new = _mm512_reduce_max_ps(mx);
+            const __m512 mv = _mm512_set1_ps(m_new);
+            const float alpha = _mm512_cvtss_f32(exp16_nonpos(_mm512_sub_ps(_mm512_set1_ps(m[i]), mv)));
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < tiles; j++) {
+                const __m512 e = exp16_nonpos(_mm512_sub_ps(s[i][j], mv));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_storeu_si256((__m256i *)(pairs[i] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+            m[i] = m_new;
+            if (alpha != 1.0f)
+                for (int d = 0; d < hd; d += 16)
+                    _mm512_storeu_ps(o[i] + d, _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(o[i] + d)));
+        }
+        const int npairs = tiles * TOK / 2;
+        for (int d0 = 0; d0 < hd; d0 += 64) { /* 4 queries x 4 registers of 16 dims */
+            __m512 acc[QR][4];
+            ATTN_UNROLL for (int i = 0; i < QR; i++)
+                ATTN_UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm512_loadu_ps(o[i] + d0 + 16 * c);
+            const uint32_t *vspan = vp + (k0 / 2) * hd + d0;
+            for (int pr = 0; pr < npairs; pr++) {
+                __m512bh v[4];
+                ATTN_UNROLL for (int c = 0; c < 4; c++)
+                    v[c] = (__m512bh)_mm512_loadu_si512(vspan + pr * hd + 16 * c);
+                ATTN_UNROLL for (int i = 0; i < QR; i++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[i < nq ? i : 0][pr]);
+                    ATTN_UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pp, v[c]);
+                }
+            }
+            ATTN_UNROLL for (int i = 0; i < QR; i++)
+                ATTN_UNROLL for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[i] + d0 + 16 * c, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        const __m512 inv = _mm512_set1_ps(l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
+        for (int d = 0; d < hd; d += 16)
+            _mm256_storeu_si256((__m256i *)(orow[i] + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(o[i] + d))));
+    }
+}
+
+static void prefill_quad_any(const uint16_t *const qrow[QR], const int64_t pos[QR], int nq,
+                             const uint32_t *kt, const uint32_t *vp, int hd, float scale,
+                             uint16_t *const orow[QR]) {
+    if (hd == 64)
+        prefill_quad(qrow, pos, nq, kt, vp, 64, scale, orow);
+    else
+        prefill_quad(qrow, pos, nq, kt, vp, 128, scale, orow);
+}
+
+/*
+ * q [num_tokens, num_heads, head_dim] (strides q_tok_stride, q_head_stride, 1), out contiguous
+ * alike; sequence s owns tokens query_start[s] .. query_start[s+1]-1, the last of its
+ * context_lens[s] positions (its earlier ones are a cached prefix). Returns the number of
+ * sequences whose context or block ids were out of range (their outputs are zeroed), -1 if
+ * scratch memory could not be had.
+ */
+int pdserve_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache,
+                                   const int32_t *block_tables, const int32_t *query_start,
+                                   const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+                                   int64_t bt_stride, int64_t q_tok_stride, int64_t q_head_stride,
+                                   float scale, int32_t num_threads) {
+    const Pool pool = {k_cache, v_cache, num_blocks, max_blocks, (int)num_kv_heads,
+                       (int)head_dim, (int)block_size, (int)(num_heads / num_kv_heads), 1};
+    const int group = pool.group, hd = (int)head_dim;
+    /* workspace: kt and vp of every (sequence, kv head); task list */
+    int64_t words = 0, num_tasks = 0;
+    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!offset) return -1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        offset[s] = words;
+        const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
+        words += 2 * num_kv_heads * ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
+        num_tasks += num_kv_heads * ((query_start[s + 1] - query_start[s] + QB - 1) / QB);
+    }
+    offset[num_seqs] = words;
+    uint32_t *work = malloc(sizeof(uint32_t) * (size_t)(words + 1));
+    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_tasks + 1));
+    int *bad = calloc((size_t)num_seqs + 1, sizeof(int));
+    if (!work || !tasks || !bad) {
+        free(offset), free(work), free(tasks), free(bad);
+        return -1;
+    }
+    int64_t t = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t nq = query_start[s + 1] - query_start[s];
+        const int64_t ctx = context_lens[s];
+        if (ctx < nq || ctx < 0 || (ctx + block_size - 1) / block_size > max_blocks) bad[s] = 1;
+        for (int64_t b = 0; b < (nq + QB - 1) / QB; b++)
+            for (int64_t g = 0; g < num_kv_heads; g++) {
+                tasks[3 * t] = s, tasks[3 * t + 1] = b, tasks[3 * t + 2] = g;
+                t++;
+            }
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_seqs * num_kv_heads; i++) {
+            const int64_t s = i / num_kv_heads;
+            const int g = (int)(i % num_kv_heads);
+            if (bad[s]) continue;
+            const int64_t ctx = context_lens[s];
+            const int64_t half = ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
+            uint32_t *kt = work + offset[s] + 2 * g * half;
+            if (gather_kv_t(&pool, block_tables + s * bt_stride, ctx, g, kt, kt + half))
+                bad[s] = 1; /* benign race: only ever set to 1 */
+        }
+        /* implicit barrier: every sequence gathered (or marked bad) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = num_tasks - 1; i >= 0; i--) { /* the costliest (last) blocks first */
+            const int64_t s = tasks[3 * i], b = tasks[3 * i + 1];
+            const int g = (int)tasks[3 * i + 2];
+            const int64_t q0 = query_start[s], nq_seq = query_start[s + 1] - q0;
+            const int64_t prefix = context_lens[s] - nq_seq;
+            const int64_t r0 = b * QB, r1 = r0 + QB < nq_seq ? r0 + QB : nq_seq;
+            const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
+            const int64_t half = ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
+            const uint32_t *kt = work + offset[s] + 2 * g * half, *vp = kt + half;
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                for (int64_t r = r0; r < r1; r += QR) {
+                    const int nq = r1 - r < QR ? (int)(r1 - r) : QR;
+                    const uint16_t *qrow[QR];
+                    uint16_t *orow[QR];
+                    int64_t pos[QR];
+                    for (int i = 0; i < QR; i++) {
+                        const int64_t tok = q0 + r + (i < nq ? i : nq - 1);
+                        qrow[i] = q + tok * q_tok_stride + h * q_head_stride;
+                        orow[i] = out + (tok * num_heads + h) * hd;
+                        pos[i] = prefix + r + (i < nq ? i : nq - 1);
+                    }
+                    if (bad[s]) {
+                        for (int i = 0; i < nq; i++) memset(orow[i], 0, sizeof(uint16_t) * (size_t)hd);
+                        continue;
+                    }
+                    prefill_quad_any(qrow, pos, nq, kt, vp, hd, scale, orow);
+                }
+            }
+        }
+    }
+    int num_bad = 0;
+    for (int64_t s = 0; s < num_seqs; s++) num_bad += bad[s];
+    free(offset), free(work), free(tasks), free(bad);
+    return num_bad;
+}
+
+#endif /* PDSERVE_PREFILL_BF16_H */
