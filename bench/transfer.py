@@ -46,10 +46,10 @@ if not __package__:  # run as a file: bench/ is on sys.path and bench/kernels.py
 
 import torch  # noqa: E402
 
+from bench.common import COMMON, DISAGGREGATED  # noqa: E402
+from bench.common import ENV as UCX_ENV  # noqa: E402
 from pdserve.transfer import create_transport, gather_into, scatter_into  # noqa: E402
 from pdserve.transfer.header import KVLayout  # noqa: E402
-
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def _block_ids(pool: int, num_blocks: int, kind: str) -> torch.Tensor:
@@ -126,7 +126,7 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
             peer = transport.connect(parent.recv())
             for rep in range(args.warmup + args.reps):
                 parent.send((rep, mode != "wire"))
-                ready, dst = parent.recv()
+                _, dst = parent.recv()
                 ids = _block_ids(pool, num_blocks, args.ids)
                 dst = dst if mode == "pool" else None
                 tx = transport.start_send(peer, rep, num_blocks, timeout=30.0, dst_block_ids=dst)
@@ -181,16 +181,15 @@ def serving(args: argparse.Namespace) -> None:
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     env = dict(UCX_ENV)
-    common = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
     procs = []
     try:
         gw = start_process(["gateway", "--port", "0"], env=env)
         procs.append(gw.proc)
         workers = {}
-        for role, cpu in (("prefill", "0"), ("decode", "1")):
-            w = start_process([role, "--threads", "1", "--cpus", cpu, *common, "--gateway", gw.address], env=env)
+        for argv in DISAGGREGATED:  # [role, ...]
+            w = start_process([*argv, *COMMON, "--gateway", gw.address], env=env)
             procs.append(w.proc)
-            workers[role] = w.address
+            workers[argv[0]] = w.address
         rows = []
         gen = torch.Generator().manual_seed(0)
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0)

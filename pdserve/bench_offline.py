@@ -148,24 +148,22 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
     engine.step()
     # The kernels are timed at their Python entry points, which the decode loop bypasses: the
     # profile runs the module path (same kernels, more Python), and says how long a loop step takes.
-    loop = model._decode_loop()
     loop_step = None
-    if loop is not None:
+    if model._decode_loop() is not None:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         loop_step = (time.perf_counter() - start) / steps
-        model.__dict__["_compiled_decode_loop"] = None
     try:
         for owner, name, fn in patched:
             label = {"compute_logits": "lm_head + logits", "sample": "sampling"}.get(name, name)
             setattr(owner, name, timed(label, fn))
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        total = time.perf_counter() - start
+        with model.module_path():
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = time.perf_counter() - start
     finally:
-        model.__dict__["_compiled_decode_loop"] = loop
         for owner, name, fn in patched:
             if owner is model:  # an instance attribute shadowed the method: drop it
                 delattr(owner, name)

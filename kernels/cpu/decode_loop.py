@@ -84,13 +84,19 @@ class DecodeLoop:
 
     def _layers(self, kv_caches) -> ctypes.Array:
         """Per layer: the norms', packed projections', biases' and KV pools' addresses; rebuilt
-        when a parameter was written in place (its version moves on, as for ``gemm``'s packing)
-        or the pools are others."""
-        key = (tuple(p._version for p in self._weights), tuple(k.data_ptr() for k, _ in kv_caches))
+        (and the pools checked) when a parameter was written in place (its version moves on, as
+        for ``gemm``'s packing) or the pools are others."""
+        pools = [t for pair in kv_caches for t in pair]
+        key = (tuple(p._version for p in self._weights), tuple(map(id, pools)))
         if key == self._key:
             return self._array
+        k0 = kv_caches[0][0]
+        for k, v in kv_caches:
+            if not (k.dtype == v.dtype == torch.bfloat16 and k.shape == v.shape == k0.shape
+                    and k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("decode loop: every KV pool must be bf16, contiguous and of one shape")
         layers = (_Layer * len(self.model.layers))()
-        keep = []  # the packed tensors, alive while their addresses are used
+        keep = []
         for entry, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
@@ -103,7 +109,9 @@ class DecodeLoop:
             entry.ln2 = layer.post_attention_layernorm.weight.data_ptr()
             entry.eps1, entry.eps2 = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self._array, self._keep, self._key = layers, keep, key
+        # the packed weights and the pools stay referenced while the array holds their addresses
+        # (which also keeps the pools' ids in the key from being reused)
+        self._array, self._keep, self._key = layers, (keep, pools), key
         return layers
 
     def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -117,10 +125,6 @@ class DecodeLoop:
                 f"decode step of {m} tokens with {positions.numel()} positions, {slots.numel()} "
                 f"slots, {lens.numel()} context lengths and {block_tables.shape[0]} block table rows")
         k0 = kv_caches[0][0]
-        for k, v in kv_caches:
-            if not (k.dtype == v.dtype == torch.bfloat16 and k.shape == v.shape == k0.shape
-                    and k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("decode loop: every KV pool must be bf16, contiguous and of one shape")
         layers = self._layers(kv_caches)
         emb = F.embedding(input_ids, self.model.embed_tokens.weight)  # then the residual stream
         empty = lambda n: torch.empty(m, n, dtype=torch.bfloat16)  # noqa: E731
@@ -137,14 +141,9 @@ class DecodeLoop:
         failed = self.lib.pdserve_decode_layers(ctypes.byref(step), layers, len(layers), ctypes.byref(kind),
                                                 ctypes.byref(count))
         if failed >= 0 and kind.value == 0:
-            raise ValueError(
-                f"rope_write_kv (layer {failed}): {count.value} tokens have a position outside "
-                f"[0, {self.cos.shape[0]}) or a slot outside [0, {k0.shape[0] * k0.shape[1]}); "
-                "nothing was written for them")
+            raise fused.rope_error(count.value, self.cos.shape[0], k0.shape[0] * k0.shape[1])
         if failed >= 0:
-            raise ValueError(
-                f"paged_decode_attention (layer {failed}): {count.value} (sequence, kv head) tasks "
-                f"have a context_len beyond their block table row or block ids outside [0, {k0.shape[0]})")
+            raise ops.decode_attention_error(count.value, k0.shape[0])
         final = torch.empty(m, H, dtype=torch.bfloat16)
         self.fused.pdserve_rms_norm(bufs["down"].data_ptr(), emb.data_ptr(), self.model.norm.weight.data_ptr(),
                                     final.data_ptr(), m, H, self.model.norm.eps, 1, torch.get_num_threads())

@@ -118,11 +118,16 @@ def rope_write_kv(
         NATIVE_DTYPES[qkv.dtype], torch.get_num_threads(),
     )
     if bad:
-        raise ValueError(
-            f"rope_write_kv: {bad} tokens have a position outside [0, {cos.shape[0]}) or a slot "
-            f"outside [0, {num_slots}); nothing was written for them"
-        )
+        raise rope_error(bad, cos.shape[0], num_slots)
     return qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+
+
+def rope_error(bad: int, max_positions: int, num_slots: int) -> ValueError:
+    """What pdserve_rope_write_kv's count of refused tokens means."""
+    return ValueError(
+        f"rope_write_kv: {bad} tokens have a position outside [0, {max_positions}) or a slot "
+        f"outside [0, {num_slots}); nothing was written for them"
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

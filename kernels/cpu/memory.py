@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
 
 import torch
@@ -57,14 +58,11 @@ def empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` on the CPU, starting on a 2 MiB boundary and on huge
     pages where available (see the module docstring)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize < _MIN_BYTES or _madvise() is None:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _MIN_BYTES or _madvise() is None:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(numel * itemsize + HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[offset : offset + numel * itemsize]
+    buf = raw[offset : offset + nbytes]
     advise_huge_pages(buf)
     return buf.view(dtype).view(shape)

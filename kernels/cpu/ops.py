@@ -144,12 +144,17 @@ def paged_decode_attention(
         torch.get_num_threads(),
     )
     if num_bad:
-        raise ValueError(
-            f"paged_decode_attention: {num_bad} (sequence, kv head) tasks have a context_len "
-            f"beyond their block table row or block ids outside [0, {num_blocks}); "
-            "check block_tables and context_lens"
-        )
+        raise decode_attention_error(num_bad, num_blocks)
     return out
+
+
+def decode_attention_error(num_bad: int, num_blocks: int) -> ValueError:
+    """What pdserve_paged_decode_attention's count of refused tasks means."""
+    return ValueError(
+        f"paged_decode_attention: {num_bad} (sequence, kv head) tasks have a context_len "
+        f"beyond their block table row or block ids outside [0, {num_blocks}); "
+        "check block_tables and context_lens"
+    )
 
 
 def prefill_attention(

@@ -6,8 +6,9 @@ q/k/v and gate/up projections are fused into one matrix each (one GEMM instead o
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -150,6 +151,17 @@ class LlamaForCausalLM(nn.Module):
             loop = compile_loop(self) if compile_loop is not None and envs.decode_loop_enabled() else None
             self.__dict__["_compiled_decode_loop"] = loop
         return self.__dict__["_compiled_decode_loop"]
+
+    @contextlib.contextmanager
+    def module_path(self) -> Iterator[None]:
+        """Within it, decode steps take the module path even where a decode loop exists (to time
+        the kernels at their Python entry points, or to compare the two)."""
+        loop = self._decode_loop()
+        self.__dict__["_compiled_decode_loop"] = None
+        try:
+            yield
+        finally:
+            self.__dict__["_compiled_decode_loop"] = loop
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]

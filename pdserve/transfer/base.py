@@ -179,7 +179,7 @@ class KVTransport(ABC):
         raise NotImplementedError
 
     def send_trailer(
-        self, peer: PeerHandle, plan: DirectPlan, header: LayerHeader, timeout: float
+        self, peer: PeerHandle, header: LayerHeader, timeout: float
     ) -> concurrent.futures.Future[None]:
         raise NotImplementedError
 

@@ -28,11 +28,17 @@ from collections.abc import Sequence
 from pdserve.transfer.errors import HeaderMismatchError
 from pdserve.transfer.header import HEADER_NBYTES, KVLayout, LayerHeader
 
+SUB_BITS = 16  # a message's UCX tag: (transfer_id << SUB_BITS) | sub
 PLAN_SUB = 0xFFFF  # sub-tags; framed layer messages use 0 .. num_layers - 1
 TRAILER_SUB = 0xFFFE
 MAX_PLAN_SEGMENTS = 64  # what a plan message can carry
 _COUNT = struct.Struct("<I")
 PLAN_NBYTES = HEADER_NBYTES + _COUNT.size + 4 * MAX_PLAN_SEGMENTS
+
+
+def message_tag(transfer_id: int, sub: int) -> int:
+    """The UCX tag of a transfer's message ``sub`` (a framed layer, or a sub-tag below)."""
+    return (transfer_id << SUB_BITS) | sub
 
 
 def segment_starts(ids: Sequence[int]) -> list[int]:

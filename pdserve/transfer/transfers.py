@@ -123,7 +123,7 @@ class RecvTransfer:
         self.future: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
         self.token_id = -1
         self.traceparent = ""  # of the sender's span, from the first message's header
-        self.on_layer = self._on_layer = on_layer
+        self.on_layer = on_layer
         self._scheduler = scheduler
         self._blocks_landed = [0] * self.num_layers
         self._full_nbytes = layout.message_nbytes(num_blocks)
@@ -209,7 +209,7 @@ class RecvTransfer:
             self.fail(exc)
             return None
         try:
-            self._on_layer(header, k, v)
+            self.on_layer(header, k, v)
         except Exception as exc:  # noqa: BLE001 - the transfer fails with the cause attached
             err = TransferError(f"transfer {self.transfer_id}: on_layer failed: {exc!r}")
             err.__cause__ = exc
@@ -343,11 +343,7 @@ class SendTransfer:
         token_id: int = -1,
     ) -> concurrent.futures.Future[None]:
         """Push one layer's gathered blocks; returns once they are copied out, before delivery."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferTimeoutError(
-                f"transfer {self.transfer_id}: deadline passed before layer {layer}"
-            )
+        remaining = self._remaining(layer)
         if isinstance(self._plan, DirectPlan):
             raise RuntimeError(f"transfer {self.transfer_id} is sent direct: use send_pool_layer")
         layout = self.transport.layout
@@ -406,7 +402,7 @@ class SendTransfer:
                 self.transport.layout, self.transfer_id, last, self.num_blocks,
                 token_id=token_id, traceparent=self.traceparent,
             )
-            fut = self.transport.send_trailer(self.peer, self._plan, header, self._remaining(last))
+            fut = self.transport.send_trailer(self.peer, header, self._remaining(last))
             self._track(fut, HEADER_NBYTES)
         elif self._held_last is not None:
             (k, v), self._held_last = self._held_last, None

@@ -73,7 +73,7 @@ from pdserve.transfer.header import (
     unpack_address,
     write_message,
 )
-from pdserve.transfer.plan import PLAN_NBYTES, PLAN_SUB
+from pdserve.transfer.plan import PLAN_NBYTES, PLAN_SUB, SUB_BITS, message_tag
 from pdserve.transfer.ucx_buffers import Message, MessagePool, RawBuffer
 from pdserve.transfer.ucx_direct import SETTLE_S, DirectMixin, DirectReceive, PoolBytes
 from pdserve.transfer.ucx_runtime import Timer, UCXWorkerThread
@@ -88,13 +88,8 @@ DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
 # rendezvous: a send completes only once the receiver has matched it.
 CPU_UCX_OPTIONS = {"RNDV_SCHEME": "am"}
 DEFAULT_MAX_SEGMENTS = 2  # direct up to this many segments, else gathered (docs/benchmarks.md)
-LAYER_BITS = 16
-ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << LAYER_BITS) - 1)
+ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << SUB_BITS) - 1)
 CLOSE_PERIOD_NS = 100_000_000
-
-
-def message_tag(transfer_id: int, layer: int) -> int:
-    return (transfer_id << LAYER_BITS) | layer
 
 
 @dataclass(eq=False)
@@ -353,8 +348,7 @@ class UCXTransport(DirectMixin, KVTransport):
         v: torch.Tensor,
         timeout: float,
     ) -> concurrent.futures.Future[None]:
-        if not isinstance(peer, UCXPeer):
-            raise TypeError(f"peer handle {peer!r} was not made by UCXTransport.connect")
+        peer = self._as_peer(peer)
         msg = getattr(k, "_pdserve_message", None)  # gathered in place, into layer_buffers()?
         if msg is not None and msg.v is v and msg.num_blocks == header.num_blocks >= 1:
             header.check(self.layout)  # k and v are this layout's, made by layer_buffers
@@ -365,10 +359,6 @@ class UCXTransport(DirectMixin, KVTransport):
             buf = message_buffer_of(k, v)  # into views of a message buffer made elsewhere?
             if buf is not None:
                 msg = Message(buf, header.num_blocks, None, None, pooled=False)
-        if self._closed:
-            raise TransferError("transport closed")
-        if not peer.alive:
-            raise PeerUnreachableError("peer was disconnected; connect again")
         if msg is not None:
             msg.write_header(header)
         else:

@@ -76,7 +76,7 @@ class RawBuffer:
 
 
 def ucx_array(view: Any) -> Any:
-    """ucxx's view of a numpy array (no copy); ucxx is imported on first use, as ucx_runtime does."""
+    """ucxx's view of a numpy array or a CUDA tensor (no copy); ucxx is imported on first use."""
     from ucxx._lib.arr import Array
 
     return Array(view)

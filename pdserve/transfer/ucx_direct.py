@@ -40,6 +40,7 @@ from pdserve.transfer.plan import (
     PLAN_SUB,
     TRAILER_SUB,
     fits_tags,
+    message_tag,
     pack_plan,
     plan_nbytes,
     segment_bounds,
@@ -125,7 +126,7 @@ class DirectReceive:
         self.messages: MessagePool = transport._messages
         self.pool_bytes: PoolBytes = transport._pool_bytes
         tid = transfer.transfer_id
-        self.tag_of = lambda sub: transport._ucx.tag((tid << 16) | sub)
+        self.tag_of = lambda sub: transport._ucx.tag(message_tag(tid, sub))
         self.error_of = lambda exc, layer: transport._recv_error(exc, transfer, layer)
         n = transfer.num_blocks
         self.starts = starts
@@ -141,9 +142,8 @@ class DirectReceive:
         self.landing = landing
 
     @staticmethod
-    def lands(layout: KVLayout, landing: Landing, starts: list[int], num_blocks: int) -> bool:
-        """Whether ``landing``'s pools are ``layout``'s and its ids (whose runs start at
-        ``starts``) lie inside them."""
+    def lands(layout: KVLayout, landing: Landing, num_blocks: int) -> bool:
+        """Whether ``landing``'s pools are ``layout``'s and its ids lie inside them."""
         ids = landing.block_ids
         if ids.numel() != num_blocks or len(landing.k_pools) != layout.num_layers:
             return False
@@ -260,7 +260,7 @@ class DirectMixin:
         if landing is None or self.max_segments < 1:
             return
         starts = direct_starts(self.layout, landing.block_ids.tolist(), self.max_segments)
-        if starts is None or not DirectReceive.lands(self.layout, landing, starts, transfer.num_blocks):
+        if starts is None or not DirectReceive.lands(self.layout, landing, transfer.num_blocks):
             return
         rec.direct = DirectReceive(self, transfer, starts, landing)
         rec.direct.post_all()
@@ -350,12 +350,12 @@ class DirectMixin:
                 else:  # source ids not consecutive: gathered (one copy, on this side only)
                     keep = block_copy.gather_blocks(pool, source)
                     view = keep.view(-1).view(torch.uint8).numpy()
-                tag = (tid << 16) | sub_tag(num_layers, num_segments, layer, kv, seg)
+                tag = message_tag(tid, sub_tag(num_layers, num_segments, layer, kv, seg))
                 futures.append(enqueue(ucx_peer, tag, RawBuffer(keep, ucx_array(view)), deadline, where))
         return futures
 
     def send_trailer(
-        self, peer: PeerHandle, plan: DirectPlan, header: LayerHeader, timeout: float
+        self, peer: PeerHandle, header: LayerHeader, timeout: float
     ) -> concurrent.futures.Future[None]:
         ucx_peer = self._as_peer(peer)  # type: ignore[attr-defined]
         return self._send_small(ucx_peer, header.pack(), header.transfer_id, TRAILER_SUB, timeout)
@@ -366,4 +366,4 @@ class DirectMixin:
         buf = numpy.frombuffer(data, dtype=numpy.uint8)
         where = f"transfer {tid} {'plan' if sub == PLAN_SUB else 'trailer'}"
         msg = RawBuffer(buf, ucx_array(buf))
-        return self._enqueue(peer, (tid << 16) | sub, msg, time.monotonic() + timeout, where)  # type: ignore[attr-defined]
+        return self._enqueue(peer, message_tag(tid, sub), msg, time.monotonic() + timeout, where)  # type: ignore[attr-defined]

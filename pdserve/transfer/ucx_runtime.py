@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pdserve.transfer.ucx_buffers import ucx_array
+
 QUARANTINE_S = 10.0  # how long a cancelled request's buffer is kept, in case UCX still writes it
 MAX_SLEEP_S = 1.0
 
@@ -154,9 +156,7 @@ class UCXWorkerThread:
 
     def array(self, buf: torch.Tensor) -> Any:
         """A ucxx view of ``buf``'s memory (no copy): numpy on CPU, CUDA array interface on GPU."""
-        from ucxx._lib.arr import Array
-
-        return Array(buf if buf.is_cuda else buf.numpy())
+        return ucx_array(buf if buf.is_cuda else buf.numpy())
 
     def tag(self, value: int) -> Any:
         return self.ucx.UCXXTag(value)

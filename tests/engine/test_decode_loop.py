@@ -43,12 +43,8 @@ def both_paths(engine) -> tuple[torch.Tensor, torch.Tensor]:
     assert model._decode_loop() is not None, "the loop should cover this model"
     inputs = runner.prepare(ScheduledBatch(decodes=list(engine.scheduler.running)))
     with_loop = runner.forward_logits(inputs)
-    loop = model.__dict__["_compiled_decode_loop"]
-    model.__dict__["_compiled_decode_loop"] = None
-    try:
+    with model.module_path():
         without = runner.forward_logits(inputs)
-    finally:
-        model.__dict__["_compiled_decode_loop"] = loop
     return with_loop, without
 
 
