@@ -11,7 +11,7 @@ import torch
 import kernels
 from pdserve.config import CacheConfig
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
-from pdserve.model.attention import AttentionMetadata
+from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
 from pdserve.model.weights import load_state_dict
@@ -44,6 +44,7 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sampling_seqs: list[Sequence]
+    rows: OutputRows  # the same rows, for the model's last layer
 
 
 def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
@@ -93,6 +94,7 @@ class ModelRunner:
         dev = self.device
         i32 = torch.int32
         prefill_seqs = [s for s, _ in batch.prefills]
+        finishing = sampling_seqs[: len(sampling_seqs) - len(batch.decodes)]  # prompts done this step
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_prefill_tokens=num_prefill_tokens,
@@ -103,19 +105,35 @@ class ModelRunner:
             decode_context_lens=(torch.tensor([s.num_tokens for s in batch.decodes], dtype=i32, device=dev)
                                  if batch.decodes else None),
         )
+        sample_indices = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        # the sampled rows alone: each finishing prompt's last token as a one-query prefill over
+        # its whole context, then the decode tokens as they are
+        rows_meta = AttentionMetadata(
+            slot_mapping=sample_indices,  # unused
+            num_prefill_tokens=len(finishing),
+            prefill_block_tables=_block_tables(finishing, dev) if finishing else None,
+            prefill_query_start_loc=(torch.arange(len(finishing) + 1, dtype=i32, device=dev)
+                                     if finishing else None),
+            prefill_context_lens=(torch.tensor([s.num_prompt_tokens for s in finishing], dtype=i32, device=dev)
+                                  if finishing else None),
+            decode_block_tables=meta.decode_block_tables,
+            decode_context_lens=meta.decode_context_lens,
+        )
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             meta=meta,
-            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_indices=sample_indices,
             sampling_seqs=sampling_seqs,
+            rows=OutputRows(sample_indices, rows_meta),
         )
 
     @torch.inference_mode()
     def forward_logits(self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta, after_layer)
-        return self.model.compute_logits(hidden[inputs.sample_indices]).cpu()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta, after_layer,
+                            inputs.rows)
+        return self.model.compute_logits(hidden).cpu()
 
     def run(self, batch: ScheduledBatch, on_layer: LayerHook | None = None,
             ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:

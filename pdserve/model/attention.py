@@ -26,6 +26,18 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decode_seqs] int32, including the new token
 
 
+@dataclass
+class OutputRows:
+    """The tokens whose final hidden states are wanted (the sampled ones), for the last layer:
+    ``indices`` [n] int64 rows of the batch, in order; ``meta`` the attention of those rows alone,
+    as a batch of their own: a prefill row is its sequence's one query over its whole context
+    (the same arithmetic as within its chunk), decode rows are as in the batch. Its
+    ``slot_mapping`` is unused (their K/V is written with the batch's)."""
+
+    indices: torch.Tensor
+    meta: AttentionMetadata
+
+
 def paged_attention(
     ops,
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -36,6 +48,8 @@ def paged_attention(
     """Attention of every token of the batch; its own K/V are in the cache already
     (``ops.rope_write_kv``)."""
     k_cache, v_cache = kv_cache
+    if q.shape[0] == 0:
+        return q
     n = meta.num_prefill_tokens
     parts = []
     if n:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve import envs
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention import AttentionMetadata, OutputRows, paged_attention
 from pdserve.model.config import ModelConfig, RopeScaling
 
 
@@ -73,13 +73,17 @@ class Attention(nn.Module):
         self.rope = rope
         self.ops = ops
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                rows: OutputRows | None = None) -> torch.Tensor:
+        """Every token's K/V is written; the output is every token's, or only ``rows``'."""
         # [num_tokens, q_size + 2 * kv_size]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         k_cache, v_cache = kv_cache
         # rotate q and k, write k and v into their slots; q: [num_tokens, heads, head_dim]
         q = self.ops.rope_write_kv(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads, k_cache,
                                    v_cache, meta.slot_mapping)
+        if rows is not None:
+            q, meta = q[rows.indices], rows.meta
         out = paged_attention(self.ops, q, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
@@ -105,12 +109,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, positions, x, residual, kv_cache, meta):
+    def forward(self, positions, x, residual, kv_cache, meta, rows: OutputRows | None = None):
         """``x`` is the previous layer's MLP output (or the embeddings), not yet added to the
         residual stream ``residual`` (None before the first layer): each norm adds, then
-        normalizes, in one pass. Returns this layer's MLP output and the residual stream."""
+        normalizes, in one pass. Returns this layer's MLP output and the residual stream, of
+        every token or (after writing every token's K/V) of ``rows`` only."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
+        attn = self.self_attn(positions, h, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual[rows.indices]
+        if attn.shape[0] == 0:
+            return attn, residual
+        h, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(h), residual
 
 
@@ -129,19 +139,27 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """``after_layer(i)`` runs once layer i has written its KV (to ship it while i+1 computes).
-        Decode-only steps go through the backend's decode loop where it has one (same result)."""
+                after_layer: Callable[[int], None] | None = None,
+                rows: OutputRows | None = None) -> torch.Tensor:
+        """The final hidden states of every token, or of ``rows`` only (those whose logits are
+        wanted: the last layer then skips the others' attention and MLP, which nothing reads;
+        every layer still writes every token's K/V). ``after_layer(i)`` runs once layer i has
+        written its KV (to ship it while i+1 computes). Decode-only steps go through the
+        backend's decode loop where it has one (same result)."""
         if after_layer is None and meta.num_prefill_tokens == 0 and meta.decode_block_tables is not None:
             loop = self._decode_loop()
             if loop is not None:
-                return loop(input_ids, positions, kv_caches, meta)
+                hidden = loop(input_ids, positions, kv_caches, meta)
+                return hidden if rows is None else hidden[rows.indices]
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = None
+        last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(positions, x, residual, kv_cache, meta, rows if i == last else None)
             if after_layer is not None:
                 after_layer(i)
+        if x.shape[0] == 0:
+            return x
         return self.norm(x, residual)[0]
 
     def _decode_loop(self):
