@@ -19,9 +19,14 @@
  *                     = sum over key pairs of (the pair's two probabilities broadcast) . vp
  *
  * (keys past the context are zero, their scores masked). Phase 2, per (sequence, kv head, block
- * of 16 queries): for each query head of the group, 4 queries at a time, spans of 64 keys up to
- * the diagonal: scores (16 accumulators: 4 queries x 4 key tiles), the causal mask, an online
- * softmax step, probabilities to bf16 pairs (as on GPUs), then P @ V into fp32 outputs.
+ * of 16 queries): for each query head of the group, 4 queries at a time (prefill_quad), the
+ * keys up to the diagonal in chunks of up to 512: scores, softmax, probabilities to bf16 pairs
+ * (as on GPUs), then P @ V into fp32 outputs.
+ *
+ * On the 2-core Zen 4, 512 tokens x 9 heads (3 KV heads) per layer: 0.98 ms against 1.25 ms
+ * with online-softmax steps every 64 keys (each with two reductions across lanes, a rescale of
+ * the outputs and a full-precision exp), side by side; the score and P @ V loops now run
+ * without spills, ~70 % of the time.
  */
 #define QB 16 /* queries per task */
 #define QR 4  /* queries whose scores are computed together */
@@ -47,61 +52,113 @@ static int gather_kv_t(const Pool *p, const int32_t *blocks, int64_t ctx, int g,
     return 0;
 }
 
-/* Queries r0 .. r0+nq-1 (nq <= QR) of query head h: rows of q at qrow[i] (bf16, head_dim),
- * absolute positions pos[i]; outputs (fp32, natural order) accumulated in o[i], then written. */
+/* 2^t on 16 lanes for finite t <= 0 (0 below 2^-126): t = n + f, |f| <= 1/2, 2^f by its Taylor
+ * polynomial of degree 5 (relative error < 3e-6, far below the bf16 rounding of the
+ * probabilities), times 2^n by vscalefps. */
+static inline __m512 exp2_nonpos(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);               /* ln2^5 / 120 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f)); /* ln2^4 / 24 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f)); /* ln2^3 / 6 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f)); /* ln2^2 / 2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes of the 16 keys key0 .. key0+15 that a query at position pos sees (key <= pos). */
+static inline __mmask16 visible(int64_t pos, int64_t key0) {
+    const int64_t vis = pos - key0 + 1;
+    return vis >= TOK ? (__mmask16)0xffff : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+}
+
+#define CHUNK 512 /* keys per softmax pass: a quad's raw scores (4 x 8 KB) stay in L1 */
+
+/*
+ * Queries r0 .. r0+nq-1 (nq <= QR) of query head h: rows of q at qrow[i] (bf16, head_dim),
+ * absolute positions pos[i]; outputs (fp32, natural order) accumulated in o[i], then written.
+ * The keys a quad sees go in chunks of up to CHUNK (one, up to 512 positions): all of a chunk's
+ * scores first (16 accumulators: 4 queries x 4 key tiles, kept raw in L1, with a running
+ * per-lane maximum of the visible ones), then one maximum per query and chunk, the
+ * probabilities exp2(scale log2(e) (s - max)) as bf16 pairs (a running sum per lane), then
+ * P @ V into fp32 outputs; an online-softmax rescale only between chunks. A query's arithmetic
+ * does not depend on the other queries of its quad (keys it does not see add exact zeros).
+ */
 static inline __attribute__((always_inline)) void prefill_quad(
     const uint16_t *const qrow[QR], const int64_t pos[QR], int nq, const uint32_t *kt,
     const uint32_t *vp, int hd, float scale, uint16_t *const orow[QR]) {
     const int dw = hd / 2;
+    const float c2 = scale * 1.44269504088896341f; /* scores to base-2 exponents */
     float o[QR][hd];
-    float m[QR], l[QR];
-    uint32_t pairs[QR][SPAN / 2];
+    float m[QR];
+    __m512 lsum[QR];
+    float sc[QR][CHUNK] __attribute__((aligned(64)));
+    uint32_t pairs[QR][CHUNK / 2] __attribute__((aligned(64)));
     for (int i = 0; i < QR; i++) {
-        m[i] = -INFINITY, l[i] = 0.0f;
+        m[i] = -INFINITY, lsum[i] = _mm512_setzero_ps();
         memset(o[i], 0, sizeof o[i]);
     }
+    const int32_t *qd[QR]; /* q's dwords (pairs of dims); rows past nq repeat the first */
+    for (int i = 0; i < QR; i++) qd[i] = (const int32_t *)qrow[i < nq ? i : 0];
     const int64_t last = pos[nq - 1]; /* keys 0 .. last are visible to some query of the quad */
-    for (int64_t k0 = 0; k0 <= last; k0 += SPAN) {
-        const int tiles = (int)((last - k0) / TOK + 1 < SPAN / TOK ? (last - k0) / TOK + 1 : SPAN / TOK);
-        __m512 s[QR][SPAN / TOK];
-        ATTN_UNROLL for (int i = 0; i < QR; i++)
-            ATTN_UNROLL for (int j = 0; j < SPAN / TOK; j++) s[i][j] = _mm512_setzero_ps();
-        const uint32_t *kspan = kt + (k0 / TOK) * TOK * dw;
-        for (int c = 0; c < dw; c++) {
-            __m512bh qb[QR];
+    for (int64_t k0 = 0; k0 <= last; k0 += CHUNK) {
+        const int tiles = (int)((last - k0) / TOK + 1 < CHUNK / TOK ? (last - k0) / TOK + 1 : CHUNK / TOK);
+        for (int j0 = 0; j0 < tiles; j0 += 4) { /* raw scores of 4 tiles at a time */
+            __m512 s[QR][4];
             ATTN_UNROLL for (int i = 0; i < QR; i++)
-                qb[i] = (__m512bh)_mm512_set1_epi32(((const int32_t *)qrow[i < nq ? i : 0])[c]);
-            ATTN_UNROLL for (int j = 0; j < SPAN / TOK; j++) {
-                if (j >= tiles) break;
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kspan + (j * dw + c) * TOK);
-                ATTN_UNROLL for (int i = 0; i < QR; i++) s[i][j] = _mm512_dpbf16_ps(s[i][j], qb[i], kv);
+                ATTN_UNROLL for (int j = 0; j < 4; j++) s[i][j] = _mm512_setzero_ps();
+            const uint32_t *kspan = kt + (k0 / TOK + j0) * TOK * dw;
+            const int nt = tiles - j0 < 4 ? tiles - j0 : 4;
+            if (nt == 4) {
+                for (int c = 0; c < dw; c++) {
+                    ATTN_UNROLL for (int j = 0; j < 4; j++) {
+                        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kspan + (j * dw + c) * TOK);
+                        ATTN_UNROLL for (int i = 0; i < QR; i++)
+                            s[i][j] = _mm512_dpbf16_ps(s[i][j], (__m512bh)_mm512_set1_epi32(qd[i][c]), kv);
+                    }
+                }
+            } else {
+                for (int c = 0; c < dw; c++) {
+                    ATTN_UNROLL for (int j = 0; j < 3; j++) {
+                        if (j >= nt) break;
+                        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kspan + (j * dw + c) * TOK);
+                        ATTN_UNROLL for (int i = 0; i < QR; i++)
+                            s[i][j] = _mm512_dpbf16_ps(s[i][j], (__m512bh)_mm512_set1_epi32(qd[i][c]), kv);
+                    }
+                }
             }
+            ATTN_UNROLL for (int i = 0; i < QR; i++)
+                ATTN_UNROLL for (int j = 0; j < 4; j++) {
+                    if (j >= nt) break;
+                    _mm512_store_ps(sc[i] + (j0 + j) * TOK, s[i][j]);
+                }
         }
         for (int i = 0; i < nq; i++) {
-            __m512 mx = _mm512_set1_ps(m[i]);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < tiles; j++) {
-                const int64_t key0 = k0 + j * TOK; /* keys key0 + lane; visible if <= pos[i] */
-                const int64_t vis = pos[i] - key0 + 1;
-                const __mmask16 mask = vis >= TOK ? (__mmask16)0xffff
-                                       : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
-                s[i][j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
-                                             _mm512_mul_ps(s[i][j], _mm512_set1_ps(scale)));
-                mx = _mm512_max_ps(mx, s[i][j]);
+                const int64_t key0 = k0 + j * TOK;
+                mx = key0 + TOK - 1 <= pos[i] ? _mm512_max_ps(mx, _mm512_load_ps(sc[i] + j * TOK))
+                   : _mm512_mask_max_ps(mx, visible(pos[i], key0), mx, _mm512_load_ps(sc[i] + j * TOK));
             }
-            const float m_new = _mm512_reduce_max_ps(mx);
-            const __m512 mv = _mm512_set1_ps(m_new);
-            const float alpha = _mm512_cvtss_f32(exp16_nonpos(_mm512_sub_ps(_mm512_set1_ps(m[i]), mv)));
+            const float m_new = fmaxf(m[i], _mm512_reduce_max_ps(mx)); /* finite: key 0 is seen */
+            const __m512 mc = _mm512_set1_ps(m_new * c2), c2v = _mm512_set1_ps(c2);
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < tiles; j++) {
-                const __m512 e = exp16_nonpos(_mm512_sub_ps(s[i][j], mv));
+                const int64_t key0 = k0 + j * TOK;
+                __m512 e = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(sc[i] + j * TOK), c2v, mc));
+                if (key0 + TOK - 1 > pos[i]) e = _mm512_maskz_mov_ps(visible(pos[i], key0), e);
                 sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(pairs[i] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
+                _mm256_store_si256((__m256i *)(pairs[i] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
             }
-            l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-            m[i] = m_new;
-            if (alpha != 1.0f)
+            if (k0 > 0 && m_new != m[i]) { /* rescale what earlier chunks summed */
+                const __m512 alpha = exp2_nonpos(_mm512_set1_ps((m[i] - m_new) * c2));
+                lsum[i] = _mm512_mul_ps(lsum[i], alpha);
                 for (int d = 0; d < hd; d += 16)
-                    _mm512_storeu_ps(o[i] + d, _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(o[i] + d)));
+                    _mm512_storeu_ps(o[i] + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o[i] + d)));
+            }
+            lsum[i] = _mm512_add_ps(lsum[i], sum);
+            m[i] = m_new;
         }
         const int npairs = tiles * TOK / 2;
         for (int d0 = 0; d0 < hd; d0 += 64) { /* 4 queries x 4 registers of 16 dims */
@@ -123,7 +180,8 @@ static inline __attribute__((always_inline)) void prefill_quad(
         }
     }
     for (int i = 0; i < nq; i++) {
-        const __m512 inv = _mm512_set1_ps(l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
+        const float l = _mm512_reduce_add_ps(lsum[i]);
+        const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
         for (int d = 0; d < hd; d += 16)
             _mm256_storeu_si256((__m256i *)(orow[i] + d),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(o[i] + d))));

@@ -144,13 +144,14 @@ def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, clos
                          ids=lambda h: "q{}-kv{}-d{}".format(*h))
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, close):
-    """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), 64-key
-    spans crossing the causal diagonal, cached prefixes of any length, a query strided as the
-    fused qkv projection leaves it."""
+    """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), tiles
+    crossing the causal diagonal, more keys than one 512-key softmax chunk (the rescale between
+    chunks), cached prefixes of any length, a query strided as the fused qkv projection leaves it."""
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here: bf16 prefill attention takes SDPA")
     num_heads, num_kv_heads, head_dim = heads
-    seqs = [(1, 0), (3, 0), (17, 0), (70, 0), (5, 16), (33, 67), (1, 130), (64, 64)]  # (new, prefix)
+    seqs = [(1, 0), (3, 0), (17, 0), (70, 0), (5, 16), (33, 67), (1, 130), (64, 64),  # (new, prefix)
+            (530, 0), (21, 600)]
     q_lens = [n for n, _ in seqs]
     case = paged_case([n + p for n, p in seqs], num_kv_heads, head_dim, block_size,
                       torch.bfloat16, seed=block_size)
