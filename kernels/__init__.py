@@ -14,7 +14,7 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 
 A backend may also have ``prepack_linear(weight)`` (the model loader calls it for every
 projection, to make the backend's own weight layout before the first request) and
-``compile_decode_loop(model)`` (a callable that runs a decode-only step's layers in place of the
+``compile_layer_loop(model)`` (a callable that runs a step's decoder layers in place of the
 module path, bit for bit the same, or None where it does not apply).
 
 ``get_backend(device)`` picks the implementation for a device:

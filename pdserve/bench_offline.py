@@ -146,10 +146,10 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
     while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
-    # The kernels are timed at their Python entry points, which the decode loop bypasses: the
+    # The kernels are timed at their Python entry points, which the layer loop bypasses: the
     # profile runs the module path (same kernels, more Python), and says how long a loop step takes.
     loop_step = None
-    if model._decode_loop() is not None:
+    if model._layer_loop() is not None:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -181,7 +181,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
         lines.append(f"{label:<26}{1e3 * seconds / steps:>9.2f}{seconds / total:>8.0%}")
     lines.append(f"{'the rest (Python, setup)':<26}{1e3 * rest / steps:>9.2f}{rest / total:>8.0%}")
     if loop_step is not None:
-        lines.append(f"(the module path, timed per kernel entry point; the decode loop that runs these steps "
+        lines.append(f"(the module path, timed per kernel entry point; the layer loop that runs these steps "
                      f"otherwise, same kernels: {1e3 * loop_step:.1f} ms per step)")
     return "\n".join(lines)
 

@@ -20,10 +20,10 @@ def kernel_backend() -> str | None:
     return os.environ.get("PDSERVE_KERNEL_BACKEND") or None
 
 
-def decode_loop_enabled() -> bool:
-    """Whether a backend's flat decode loop may replace the module path for decode-only steps
-    (PDSERVE_DECODE_LOOP=0 turns it off, to compare the two)."""
-    return os.environ.get("PDSERVE_DECODE_LOOP", "1") != "0"
+def layer_loop_enabled() -> bool:
+    """Whether a backend's flat layer loop may replace the module path
+    (PDSERVE_LAYER_LOOP=0 turns it off, to compare the two)."""
+    return os.environ.get("PDSERVE_LAYER_LOOP", "1") != "0"
 
 
 def otlp_endpoint() -> str | None:

@@ -1,7 +1,7 @@
 """CPU backend: C kernels for paged attention (``ops.py``), the model's projections (``gemm.py``)
 and its small fused per-token ops (``fused.py``), all with the reference's signatures."""
 
-from kernels.cpu.decode_loop import compile_decode_loop
+from kernels.cpu.layer_loop import compile_layer_loop
 from kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
 from kernels.cpu.gemm import linear, linear_available, prepack_linear
 from kernels.cpu.ops import (
@@ -17,7 +17,7 @@ from kernels.cpu.ops import (
 __all__ = [
     "argmax",
     "attention_bf16_native",
-    "compile_decode_loop",
+    "compile_layer_loop",
     "gather_blocks",
     "linear",
     "linear_available",

@@ -229,12 +229,17 @@ def _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc, con
         num_kv_heads, head_dim, block_size, num_blocks, block_tables.shape[1],
         block_tables.stride(0), q.stride(0), q.stride(1), scale, torch.get_num_threads(),
     )
-    if num_bad < 0:
-        raise MemoryError("prefill_attention: the C kernel could not allocate its scratch memory")
     if num_bad:
-        raise ValueError(
-            f"prefill_attention: {num_bad} sequences have a context_len below their new tokens or "
-            f"beyond their block table row, or block ids outside [0, {num_blocks}); check "
-            "block_tables, query_start_loc and context_lens"
-        )
+        raise prefill_attention_error(num_bad, num_blocks)
     return out
+
+
+def prefill_attention_error(num_bad: int, num_blocks: int) -> Exception:
+    """What pdserve_prefill_attention_bf16's nonzero return means."""
+    if num_bad < 0:
+        return MemoryError("prefill_attention: the C kernel could not allocate its scratch memory")
+    return ValueError(
+        f"prefill_attention: {num_bad} sequences have a context_len below their new tokens or "
+        f"beyond their block table row, or block ids outside [0, {num_blocks}); check "
+        "block_tables, query_start_loc and context_lens"
+    )

@@ -144,42 +144,43 @@ class LlamaForCausalLM(nn.Module):
         """The final hidden states of every token, or of ``rows`` only (those whose logits are
         wanted: the last layer then skips the others' attention and MLP, which nothing reads;
         every layer still writes every token's K/V). ``after_layer(i)`` runs once layer i has
-        written its KV (to ship it while i+1 computes). Decode-only steps go through the
-        backend's decode loop where it has one (same result)."""
-        if after_layer is None and meta.num_prefill_tokens == 0 and meta.decode_block_tables is not None:
-            loop = self._decode_loop()
-            if loop is not None:
-                hidden = loop(input_ids, positions, kv_caches, meta)
-                return hidden if rows is None else hidden[rows.indices]
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = None
+        written its KV (to ship it while i+1 computes). The backend's layer loop runs the layers
+        where it has one (the same kernels, bit for bit), all but a pruned last layer."""
+        if rows is not None and rows.indices.numel() == input_ids.shape[0]:
+            rows = None  # every token sampled (the rows increase): nothing to prune
         last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(positions, x, residual, kv_cache, meta, rows if i == last else None)
+        loop = self._layer_loop()
+        if loop is not None:
+            start = last + 1 if rows is None else last
+            x, residual = loop(input_ids, positions, kv_caches, meta, start, after_layer)
+        else:
+            start, x, residual = 0, self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        for i in range(start, last + 1):
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, rows if i == last else None)
             if after_layer is not None:
                 after_layer(i)
         if x.shape[0] == 0:
             return x
         return self.norm(x, residual)[0]
 
-    def _decode_loop(self):
-        """The backend's compiled decode loop for this model (made on first use), or None."""
-        if "_compiled_decode_loop" not in self.__dict__:
-            compile_loop = getattr(self.ops, "compile_decode_loop", None)
-            loop = compile_loop(self) if compile_loop is not None and envs.decode_loop_enabled() else None
-            self.__dict__["_compiled_decode_loop"] = loop
-        return self.__dict__["_compiled_decode_loop"]
+    def _layer_loop(self):
+        """The backend's compiled layer loop for this model (made on first use), or None."""
+        if "_compiled_layer_loop" not in self.__dict__:
+            compile_loop = getattr(self.ops, "compile_layer_loop", None)
+            loop = compile_loop(self) if compile_loop is not None and envs.layer_loop_enabled() else None
+            self.__dict__["_compiled_layer_loop"] = loop
+        return self.__dict__["_compiled_layer_loop"]
 
     @contextlib.contextmanager
     def module_path(self) -> Iterator[None]:
-        """Within it, decode steps take the module path even where a decode loop exists (to time
-        the kernels at their Python entry points, or to compare the two)."""
-        loop = self._decode_loop()
-        self.__dict__["_compiled_decode_loop"] = None
+        """Within it, steps take the module path even where a layer loop exists (to time the
+        kernels at their Python entry points, or to compare the two)."""
+        loop = self._layer_loop()
+        self.__dict__["_compiled_layer_loop"] = None
         try:
             yield
         finally:
-            self.__dict__["_compiled_decode_loop"] = loop
+            self.__dict__["_compiled_layer_loop"] = loop
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]

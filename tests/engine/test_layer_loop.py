@@ -1,5 +1,6 @@
-"""The CPU backend's flat decode loop (kernels/cpu/decode_loop.py) against the module path: the
-same kernels with the same arguments, so the logits must be equal bit for bit."""
+"""The CPU backend's flat layer loop (kernels/cpu/layer_loop.py) against the module path: the
+same kernels with the same arguments, so the logits must be equal bit for bit, in decode, prefill
+and mixed steps; its after_layer callback; its refusals."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import random
 import pytest
 import torch
 
-from kernels.cpu import compile_decode_loop, gemm, ops
-from pdserve.config import CacheConfig
+from kernels.cpu import compile_layer_loop, gemm, ops
+from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
+from pdserve.runner import ModelRunner
 from pdserve.scheduler import ScheduledBatch
 
 pytestmark = pytest.mark.skipif(
     gemm._packing() is None or not ops.attention_bf16_native(),
-    reason="the decode loop needs AVX512-BF16 (packed linear, native attention); the module path runs",
+    reason="the layer loop needs AVX512-BF16 (packed linear, native attention); the module path runs",
 )
 
 
@@ -40,7 +42,7 @@ def both_paths(engine) -> tuple[torch.Tensor, torch.Tensor]:
     (the step writes the same K/V into the same slots both times)."""
     runner = engine.runner
     model = runner.model
-    assert model._decode_loop() is not None, "the loop should cover this model"
+    assert model._layer_loop() is not None, "the loop should cover this model"
     inputs = runner.prepare(ScheduledBatch(decodes=list(engine.scheduler.running)))
     with_loop = runner.forward_logits(inputs)
     with model.module_path():
@@ -108,4 +110,69 @@ def test_bad_block_ids_are_refused_without_a_crash(tmp_path):
 def test_fp32_model_is_not_covered(tmp_path):
     llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="float32",
               cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
-    assert compile_decode_loop(llm.engine.runner.model) is None
+    assert compile_layer_loop(llm.engine.runner.model) is None
+
+
+def test_every_kind_of_step_equals_module_path(default_model_dir, monkeypatch):
+    """A chunked, continuously batched workload: prefill-only, mixed and decode steps, each step's
+    logits through the loop and through the module path."""
+    llm = LLM(str(default_model_dir), dtype="bfloat16", threads=2, cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
+              scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
+    engine = llm.engine
+    model = engine.runner.model
+    kinds = set()
+    through_loop = ModelRunner.forward_logits
+
+    def both(self, inputs, after_layer=None):
+        logits = through_loop(self, inputs, after_layer)
+        with model.module_path():
+            assert torch.equal(logits, through_loop(self, inputs, after_layer))
+        kinds.add((inputs.meta.num_prefill_tokens > 0, inputs.meta.decode_block_tables is not None))
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "forward_logits", both)
+    rng = random.Random(5)
+    for i in range(5):
+        engine.add_request([rng.randrange(3, 49000) for _ in range(70 - 11 * i)],
+                           SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kinds == {(True, False), (True, True), (False, True)}
+    assert engine.num_free_blocks == engine.runner.pool.num_blocks
+
+
+def test_after_layer_is_called_back_per_layer_and_its_error_stops_the_loop(tmp_path):
+    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="bfloat16", threads=2,
+              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
+    engine = llm.engine
+    engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    runner = engine.runner
+    batch = engine.scheduler.schedule()
+    assert batch.prefills and runner.model._layer_loop() is not None
+    calls = []
+    runner.run(batch, on_layer=lambda b, i, k, v: calls.append(i))
+    assert calls == [0, 1]  # the last layer (pruned to the sampled row) runs in Python after the loop
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_0(b, i, k, v):
+        calls.append(i)
+        raise Stop("transfer failed")
+
+    calls.clear()
+    with pytest.raises(Stop, match="transfer failed"):
+        runner.run(batch, on_layer=stop_at_0)
+    assert calls == [0]
+
+
+def test_bad_prefill_block_ids_are_refused_without_a_crash(tmp_path):
+    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="bfloat16", threads=2,
+              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
+    engine = llm.engine
+    engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    runner = engine.runner
+    inputs = runner.prepare(engine.scheduler.schedule())
+    inputs.meta.prefill_block_tables[0, 1] = -3
+    with pytest.raises(ValueError, match="prefill_attention: 1 sequences"):
+        runner.forward_logits(inputs)
