@@ -136,7 +136,6 @@ ROW_FUNCTIONS(bf16, uint16_t, bf16_to_f32, to_bf16, round_bf16)
  * zero). The compiler's vectorization of the loops above ran these 2-4x slower on a Zen 4.
  */
 #include <immintrin.h>
-#include "exp512.h"
 #define FUSED_AVX512 1
 
 static inline __mmask16 tail_mask(int64_t left) {
@@ -179,19 +178,30 @@ static void rms_norm_row_bf16_avx512(const uint16_t *restrict x, uint16_t *restr
     }
 }
 
-/* exp for any x, 16 lanes (as exp_any): inf above ln(FLT_MAX), as expf. */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ);
-    return _mm512_mask_blend_ps(over, exp16_clamped(x, -87.3f, 88.72283f), _mm512_set1_ps(INFINITY));
+/* silu(g) = g / (1 + 2^(-g log2(e))): 2^t as n + f, |f| <= 1/2, 2^f by its degree-5 Taylor
+ * polynomial (relative error < 3e-6), 2^n by vscalefps (inf past 2^127: silu -> -0, as with
+ * expf). Then rounded to bf16 as torch's bf16 silu, times up. 0.67x the time of the Cephes exp
+ * (exp512.h) at 512 x 1536 on the 2-core Zen 4, and on 786k random gates the same bf16 results;
+ * the division stays: vrcp14ps and a Newton step instead moved 0.05 % of the results by up to 2
+ * ulps (a product's rounding against the division's). */
+static inline __m512 silu16(__m512 g) {
+    const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, n)));
 }
 
 static void silu_mul_row_bf16_avx512(const uint16_t *restrict gate, const uint16_t *restrict up,
                                      uint16_t *restrict out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 mask = tail_mask(n - i);
-        const __m512 g = load16(gate + i, mask);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = rnd16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        const __m512 silu = rnd16(silu16(load16(gate + i, mask)));
         _mm256_mask_storeu_epi16(out + i, mask, to16(_mm512_mul_ps(silu, load16(up + i, mask))));
     }
 }
