@@ -12,8 +12,8 @@ import torch
 from kernels.cpu import compile_layer_loop, gemm, ops
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
-from pdserve.sampling_params import SamplingParams
 from pdserve.runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
 
 pytestmark = pytest.mark.skipif(
@@ -141,13 +141,16 @@ def test_every_kind_of_step_equals_module_path(default_model_dir, monkeypatch):
     assert engine.num_free_blocks == engine.runner.pool.num_blocks
 
 
-def test_after_layer_is_called_back_per_layer_and_its_error_stops_the_loop(tmp_path):
+def first_prefill(tmp_path):
+    """A small model's engine with one 37-token prompt, and the batch that prefills it."""
     llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="bfloat16", threads=2,
               cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
-    engine = llm.engine
-    engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    runner = engine.runner
-    batch = engine.scheduler.schedule()
+    llm.engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    return llm.engine.runner, llm.engine.scheduler.schedule()
+
+
+def test_after_layer_is_called_back_per_layer_and_its_error_stops_the_loop(tmp_path):
+    runner, batch = first_prefill(tmp_path)
     assert batch.prefills and runner.model._layer_loop() is not None
     calls = []
     runner.run(batch, on_layer=lambda b, i, k, v: calls.append(i))
@@ -167,12 +170,8 @@ def test_after_layer_is_called_back_per_layer_and_its_error_stops_the_loop(tmp_p
 
 
 def test_bad_prefill_block_ids_are_refused_without_a_crash(tmp_path):
-    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="bfloat16", threads=2,
-              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
-    engine = llm.engine
-    engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    runner = engine.runner
-    inputs = runner.prepare(engine.scheduler.schedule())
+    runner, batch = first_prefill(tmp_path)
+    inputs = runner.prepare(batch)
     inputs.meta.prefill_block_tables[0, 1] = -3
     with pytest.raises(ValueError, match="prefill_attention: 1 sequences"):
         runner.forward_logits(inputs)
