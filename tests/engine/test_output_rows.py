@@ -1,7 +1,8 @@
 """The model's last layer computes only the sampled rows (``OutputRows``): every step of a mixed,
 chunked workload gives the logits that computing every row and then picking the sampled ones
-gives. On the CPU backend the arithmetic per row is the same (the GEMMs and norms work row by
-row, a prefill row attends as one query with the same spans), so they must be equal bit for bit."""
+gives. With the CPU backend's native kernels the arithmetic per row is the same (the GEMMs and
+norms work row by row, a prefill row attends as one query with the same chunks), so they must be
+equal bit for bit; torch's fallbacks may pick other kernels for other shapes: close there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 
 import torch
 
+from kernels.cpu import gemm, ops
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.runner import ModelRunner
@@ -23,6 +25,7 @@ def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
     model = engine.runner.model
     seen = {"steps": 0, "mixed": 0, "unfinished_chunk": 0, "no_rows": 0}
     pruned = ModelRunner.forward_logits
+    native = gemm._packing() is not None and ops.attention_bf16_native()
 
     def checked(self, inputs, after_layer=None):
         logits = pruned(self, inputs, after_layer)
@@ -30,7 +33,10 @@ def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
             hidden = model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta)
             every = model.compute_logits(hidden[inputs.sample_indices]).cpu()
         assert logits.shape == every.shape == (len(inputs.sampling_seqs), model.config.vocab_size)
-        assert torch.equal(logits, every)
+        if native:
+            assert torch.equal(logits, every)
+        else:
+            torch.testing.assert_close(logits, every, rtol=0.02, atol=0.05)
         meta = inputs.meta
         seen["steps"] += 1
         seen["mixed"] += bool(meta.num_prefill_tokens and meta.decode_block_tables is not None)
