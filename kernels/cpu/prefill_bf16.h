@@ -1,8 +1,8 @@
 /*
  * Prefill attention on AVX512-BF16: part of paged_attention.c, which includes this file inside its
  * AVX512-BF16 section after decode_bf16.h (it uses paged_attention.c's Pool and row_index,
- * decode_bf16.h's SPAN, TOK and exp16_nonpos, and ATTN_UNROLL); kept apart only to keep each
- * file readable.
+ * decode_bf16.h's TOK, exp512.h's exp2_16, and ATTN_UNROLL); kept apart only to keep each file
+ * readable.
  */
 #ifndef PDSERVE_PREFILL_BF16_H
 #define PDSERVE_PREFILL_BF16_H
@@ -50,21 +50,6 @@ static int gather_kv_t(const Pool *p, const int32_t *blocks, int64_t ctx, int g,
         for (int d = 0; d < hd; d++) vd[2 * d] = v[d];
     }
     return 0;
-}
-
-/* 2^t on 16 lanes for finite t <= 0 (0 below 2^-126): t = n + f, |f| <= 1/2, 2^f by its Taylor
- * polynomial of degree 5 (relative error < 3e-6, far below the bf16 rounding of the
- * probabilities), times 2^n by vscalefps. */
-static inline __m512 exp2_nonpos(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);               /* ln2^5 / 120 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f)); /* ln2^4 / 24 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f)); /* ln2^3 / 6 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f)); /* ln2^2 / 2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f)); /* ln2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Lanes of the 16 keys key0 .. key0+15 that a query at position pos sees (key <= pos). */
@@ -146,13 +131,13 @@ static inline __attribute__((always_inline)) void prefill_quad(
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < tiles; j++) {
                 const int64_t key0 = k0 + j * TOK;
-                __m512 e = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(sc[i] + j * TOK), c2v, mc));
+                __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sc[i] + j * TOK), c2v, mc));
                 if (key0 + TOK - 1 > pos[i]) e = _mm512_maskz_mov_ps(visible(pos[i], key0), e);
                 sum = _mm512_add_ps(sum, e);
                 _mm256_store_si256((__m256i *)(pairs[i] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
             }
             if (k0 > 0 && m_new != m[i]) { /* rescale what earlier chunks summed */
-                const __m512 alpha = exp2_nonpos(_mm512_set1_ps((m[i] - m_new) * c2));
+                const __m512 alpha = exp2_16(_mm512_set1_ps((m[i] - m_new) * c2));
                 lsum[i] = _mm512_mul_ps(lsum[i], alpha);
                 for (int d = 0; d < hd; d += 16)
                     _mm512_storeu_ps(o[i] + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o[i] + d)));
