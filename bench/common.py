@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import os
 
+from pdserve.services.launcher import start_process, stop_processes
+
 from pdserve.bench_serve import run_load
-from pdserve.serve_cli import start_process, stop_processes
 
 ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]

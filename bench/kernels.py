@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from unittest import mock
 
-if not __package__:  # run as a file: bench/ is on sys.path and this file would shadow `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from kernels import reference  # noqa: E402
-from kernels.cpu import gemm, ops  # noqa: E402
+import torch
+import torch.nn.functional as F
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import gemm, ops
 
 BLOCK_SIZE = 16
 

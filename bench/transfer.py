@@ -41,7 +41,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-if not __package__:  # run as a file: bench/ is on sys.path and bench/kernels.py would shadow `kernels`
+if not __package__:  # run as a file: put the repository root on sys.path for `bench.common`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
@@ -176,8 +176,8 @@ def serving(args: argparse.Namespace) -> None:
     (one core each, as bench/disagg_vs_colocated.py), driven below the gateway as the gateway
     drives them; prints what the prefill worker reports of each transfer."""
     import grpc
+    from pdserve.services.launcher import start_process, stop_processes
 
-    from pdserve.serve_cli import start_process, stop_processes
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     env = dict(UCX_ENV)

@@ -47,7 +47,7 @@ BACKENDS = ("reference", "cpu", "triton")
 
 
 def _load(name: str) -> ModuleType:
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"pdserve.kernels.{name}")
 
 
 def get_backend(device: torch.device | str) -> ModuleType:

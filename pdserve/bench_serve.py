@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from services.convert import sampling_to_proto
+from pdserve.v1.convert import sampling_to_proto
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact river stone light music engine garden paper "

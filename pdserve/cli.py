@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     f.set_defaults(func=cmd_model_fetch)
 
-    from pdserve import serve_cli
+    from pdserve.services import cli as serve_cli
 
     serve_cli.add_commands(sub, _engine_args)
 

@@ -14,7 +14,7 @@ import grpc
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from services.convert import sampling_to_proto
+from pdserve.v1.convert import sampling_to_proto
 
 
 class Client:

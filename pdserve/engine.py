@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
@@ -11,27 +10,13 @@ from pdserve.config import EngineConfig
 from pdserve.kv_cache.allocator import BlockAllocator
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
+from pdserve.outputs import RequestOutput, TokenLogprobs
 from pdserve.runner import LayerHook, ModelRunner
-from pdserve.sampler import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
 from pdserve.sequence import Sequence
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one request (streaming deltas); ``finished`` on its last one."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 class AdmissionError(RuntimeError):

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.engine import LLMEngine
+from pdserve.outputs import RequestOutput
 from pdserve.runner import LayerHook
 
 T = TypeVar("T")

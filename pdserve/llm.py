@@ -6,9 +6,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.engine import LLMEngine
 from pdserve.model.fetch import DEFAULT_MODEL
-from pdserve.sampler import TokenLogprobs
+from pdserve.outputs import RequestOutput, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 
 

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from pdserve import kernels
 from pdserve.config import CacheConfig
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
 from pdserve.model.weights import load_state_dict
-from pdserve.sampler import TokenLogprobs, sample
+from pdserve.outputs import TokenLogprobs
+from pdserve.sampler import sample
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sequence import Sequence
 

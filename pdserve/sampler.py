@@ -6,15 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from pdserve import kernels
+from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
 
 
 @dataclass(frozen=True)

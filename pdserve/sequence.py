@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.sampler import SamplerRow, TokenLogprobs
+from pdserve.outputs import TokenLogprobs
+from pdserve.sampler import SamplerRow
 from pdserve.sampling_params import SamplingParams
 
 

@@ -122,11 +122,12 @@ class Registration:
 
 
 async def serve_worker(opts: WorkerOptions) -> None:
+    from pdserve.services.decode.servicer import DecodeServicer
+    from pdserve.services.decode.worker import DecodeWorker
+    from pdserve.services.prefill.servicer import PrefillServicer
+    from pdserve.services.prefill.worker import PrefillWorker
+
     from pdserve.metrics import WorkerMetrics
-    from services.decode.servicer import DecodeServicer
-    from services.decode.worker import DecodeWorker
-    from services.prefill.servicer import PrefillServicer
-    from services.prefill.worker import PrefillWorker
 
     telemetry.setup(opts.telemetry or telemetry.TelemetryConfig(opts.role))
     log = telemetry.logger()
@@ -182,10 +183,10 @@ async def serve_worker(opts: WorkerOptions) -> None:
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:
-    from services.gateway.gateway import Gateway
-    from services.gateway.registry import WorkerRegistry
-    from services.gateway.router import Router
-    from services.gateway.servicer import GenerationServicer, RegistryServicer
+    from pdserve.services.gateway.gateway import Gateway
+    from pdserve.services.gateway.registry import WorkerRegistry
+    from pdserve.services.gateway.router import Router
+    from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
     telemetry.setup(opts.telemetry)
     folder = resolve_model(opts.model)

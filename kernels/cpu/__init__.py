@@ -1,10 +1,10 @@
 """CPU backend: C kernels for paged attention (``ops.py``), the model's projections (``gemm.py``)
 and its small fused per-token ops (``fused.py``), all with the reference's signatures."""
 
-from kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
-from kernels.cpu.gemm import linear, linear_available, prepack_linear
-from kernels.cpu.layer_loop import compile_layer_loop
-from kernels.cpu.ops import (
+from pdserve.kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
+from pdserve.kernels.cpu.gemm import linear, linear_available, prepack_linear
+from pdserve.kernels.cpu.layer_loop import compile_layer_loop
+from pdserve.kernels.cpu.ops import (
     attention_bf16_native,
     gather_blocks,
     native_available,

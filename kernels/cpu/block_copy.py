@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
-from kernels.cpu.build import BuildError, load_library
+from pdserve.kernels.cpu.build import BuildError, load_library
 
 logger = logging.getLogger(__name__)
 

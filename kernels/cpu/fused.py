@@ -10,9 +10,8 @@ import functools
 from pathlib import Path
 
 import torch
-
-from kernels import reference
-from kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
+from pdserve.kernels import reference
+from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
 
 _SOURCE = Path(__file__).with_name("fused.c")
 

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu import memory
-from kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
+from pdserve.kernels.cpu import memory
+from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
 
 logger = logging.getLogger(__name__)
 

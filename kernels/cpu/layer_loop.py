@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu import fused, gemm, ops
+from pdserve.kernels.cpu import fused, gemm, ops
 
 _SOURCE = Path(__file__).with_name("layer_loop.c")
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from kernels import reference
-from kernels.cpu import block_copy
-from kernels.cpu.build import BuildError, load_library
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import block_copy
+from pdserve.kernels.cpu.build import BuildError, load_library
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """CUDA backend: Triton kernels (they also run on CPU tensors under ``TRITON_INTERPRET=1``)."""
 
-from kernels import reference
-from kernels.triton.decode_attention import paged_decode_attention
-from kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
-from kernels.triton.prefill_attention import prefill_attention
+from pdserve.kernels import reference
+from pdserve.kernels.triton.decode_attention import paged_decode_attention
+from pdserve.kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
+from pdserve.kernels.triton.prefill_attention import prefill_attention
 
 # No Triton kernel: F.linear (cuBLAS on CUDA tensors), and torch for the small fused ops.
 argmax = reference.argmax

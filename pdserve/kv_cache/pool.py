@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from kernels.cpu import memory as cpu_memory
 from pdserve.config import CacheConfig
+from pdserve.kernels.cpu import memory as cpu_memory
 from pdserve.model.config import ModelConfig
 
 

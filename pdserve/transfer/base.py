@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.cpu import block_copy
+from pdserve.kernels.cpu import block_copy
 from pdserve.transfer.errors import (
     HeaderMismatchError,
     PeerUnreachableError,

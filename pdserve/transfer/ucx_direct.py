@@ -32,7 +32,7 @@ from typing import Any
 import numpy
 import torch
 
-from kernels.cpu import block_copy
+from pdserve.kernels.cpu import block_copy
 from pdserve.transfer.base import Landing, PeerHandle, RecvTransfer
 from pdserve.transfer.errors import HeaderMismatchError
 from pdserve.transfer.header import HEADER_NBYTES, KVLayout, LayerHeader

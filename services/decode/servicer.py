@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import grpc
+from pdserve.services.decode.worker import DecodeWorker
+from pdserve.services.stats import worker_stats
 
 from pdserve import telemetry
 from pdserve.engine import AdmissionError
 from pdserve.transfer import TransferError, TransferTimeoutError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.convert import logprobs_to_proto, sampling_from_proto
-from services.decode.worker import DecodeWorker
-from services.stats import worker_stats
+from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
 DEFAULT_KV_TIMEOUT_S = 30.0
 

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve import telemetry
-from pdserve.engine import AdmissionError, LLMEngine, RequestOutput
+from pdserve.engine import AdmissionError, LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
+from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import KVTransport, RecvTransfer, TransferError, TransferStats, scatter_into
 

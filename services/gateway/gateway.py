@@ -20,18 +20,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from pdserve.services.gateway.accounting import GatewayRequest
+from pdserve.services.gateway.registry import Worker, WorkerRegistry
+from pdserve.services.gateway.router import Router
 
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
-from pdserve.sampler import TokenLogprobs
+from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
-from services.convert import logprobs_from_proto, sampling_to_proto
-from services.gateway.accounting import GatewayRequest
-from services.gateway.registry import Worker, WorkerRegistry
-from services.gateway.router import Router
+from pdserve.v1.convert import logprobs_from_proto, sampling_to_proto
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,

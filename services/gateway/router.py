@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from services.gateway.registry import Worker
+from pdserve.services.gateway.registry import Worker
 
 POLICIES = ("round_robin", "least_loaded")
 

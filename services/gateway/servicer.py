@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import grpc
+from pdserve.services.gateway.accounting import GatewayRequest
+from pdserve.services.gateway.gateway import Gateway, GatewayError
+from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry
 
 from pdserve import telemetry
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.convert import logprobs_to_proto, sampling_from_proto
-from services.gateway.accounting import GatewayRequest
-from services.gateway.gateway import Gateway, GatewayError
-from services.gateway.registry import LayoutMismatchError, WorkerRegistry
+from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import grpc
+from pdserve.services.prefill.worker import Destination, PrefillWorker
+from pdserve.services.stats import worker_stats
 
 from pdserve import telemetry
 from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.convert import logprobs_to_proto, sampling_from_proto
-from services.prefill.worker import Destination, PrefillWorker
-from services.stats import worker_stats
+from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):

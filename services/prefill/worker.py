@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import telemetry
-from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.engine import LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
+from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
 from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from pdserve.services.launcher import start_process
 
-from pdserve.serve_cli import start_process
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}

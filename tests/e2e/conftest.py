@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from pdserve.services.launcher import stop_processes
 
-from pdserve.serve_cli import stop_processes
 from tests.e2e.cluster import start_cluster
 
 

@@ -10,9 +10,9 @@ import time
 
 import grpc
 import pytest
+from pdserve.services.launcher import stop_processes
 
 from pdserve import Client, SamplingParams
-from pdserve.serve_cli import stop_processes
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.cluster import UCX_ENV, WORKER_ARGS, start_cluster
 

@@ -8,13 +8,13 @@ import urllib.request
 
 import grpc
 import pytest
+from pdserve.services.launcher import stop_processes
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import Client, SamplingParams
 from pdserve.config import resolve_dtype
 from pdserve.model.config import ModelConfig
 from pdserve.otlp_sink import SpanSink
-from pdserve.serve_cli import stop_processes
 from pdserve.transfer import KVLayout
 from pdserve.transfer.header import HEADER_NBYTES
 from pdserve.transfer.plan import plan_nbytes

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
+from pdserve.kernels.cpu import compile_layer_loop, gemm, ops
 
-from kernels.cpu import compile_layer_loop, gemm, ops
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.runner import ModelRunner

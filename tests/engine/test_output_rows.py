@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 import torch
+from pdserve.kernels.cpu import gemm, ops
 
-from kernels.cpu import gemm, ops
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.runner import ModelRunner

@@ -7,8 +7,7 @@ import shutil
 
 import pytest
 import torch
-
-from kernels.cpu import block_copy, ops
+from pdserve.kernels.cpu import block_copy, ops
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

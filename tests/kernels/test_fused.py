@@ -13,9 +13,8 @@ import shutil
 
 import pytest
 import torch
-
-from kernels import reference
-from kernels.cpu import fused
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import fused
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None or fused._fused_library() is None,

@@ -12,8 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
-
-from kernels import reference
+from pdserve.kernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -41,7 +40,7 @@ CONTEXT_LENS = [1, 15, 16, 17, 33, 100]
 def load_backend(name: str, device: str) -> ModuleType:
     if name == "triton":
         pytest.importorskip("triton")
-        module = importlib.import_module("kernels.triton")
+        module = importlib.import_module("pdserve.kernels.triton")
         interpreted = (
             type(module.decode_attention._paged_decode_kernel).__name__ == "InterpretedFunction"
         )
@@ -50,7 +49,7 @@ def load_backend(name: str, device: str) -> ModuleType:
         if device == "cuda" and interpreted:
             pytest.skip("kernels.triton was imported under TRITON_INTERPRET=1")
         return module
-    module = importlib.import_module(f"kernels.{name}")
+    module = importlib.import_module(f"pdserve.kernels.{name}")
     if name == "cpu" and not module.native_available():
         pytest.skip(
             "the C kernel did not build here (see the warning); cpu falls back to reference"

@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import build, fused, ops
 
-import kernels
-from kernels import reference
-from kernels.cpu import build, fused, ops
+from pdserve import kernels
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -52,7 +52,7 @@ def test_build_failure_falls_back_to_reference_with_one_warning(paged_case, monk
     ops._library.cache_clear()
     try:
         _, args = decode_args(paged_case)
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu.ops"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu.ops"):
             first = ops.paged_decode_attention(*args)
             ops.paged_decode_attention(*args)
         assert torch.equal(first, reference.paged_decode_attention(*args))
@@ -103,7 +103,7 @@ def test_get_backend_forced(monkeypatch):
 def test_backends_share_the_reference_signatures(name):
     if name == "triton":
         pytest.importorskip("triton")
-    module = importlib.import_module(f"kernels.{name}")
+    module = importlib.import_module(f"pdserve.kernels.{name}")
     for fn in (
         "write_kv",
         "paged_decode_attention",

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import reference
-from kernels.cpu import build, gemm, ops
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import build, gemm, ops
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("cc") is None or not gemm.linear_available(),
@@ -199,7 +198,7 @@ def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog)
     gemm._packing.cache_clear()
     try:
         x, weight, b = make(2, 577, 33, torch.float32, True)
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu.ops"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu.ops"):
             first = gemm.linear(x, weight, b)
             gemm.linear(x, weight, b)
         assert torch.equal(first, F.linear(x, weight, b))
@@ -231,7 +230,7 @@ def test_portable_c_path_matches_float64(tmp_path, monkeypatch):
 def test_every_backend_exposes_linear(name):
     if name == "triton":
         pytest.importorskip("triton")
-    module = importlib.import_module(f"kernels.{name}")
+    module = importlib.import_module(f"pdserve.kernels.{name}")
     params = inspect.signature(module.linear).parameters
     assert list(params) == list(inspect.signature(reference.linear).parameters)
     assert params["bias"].default is None

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kernels.cpu import memory
+from pdserve.kernels.cpu import memory
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pdserve.kernels.cpu import block_copy
 
-from kernels.cpu import block_copy
 from pdserve.transfer import LayerHeader, gather_into, scatter_into
 from tests.transfer.peers import Pools, default_layout, layer_kv
 

@@ -1,15 +1,16 @@
-"""``pdserve gateway | prefill | decode | colocated | up``: the serving processes and a local cluster."""
+"""``pdserve gateway | prefill | decode | colocated | up | health``: the serving commands' arguments.
+
+The processes themselves start in ``main.py``; ``up`` and the READY handshake are ``launcher.py``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from typing import NamedTuple
+
+from pdserve.services import launcher
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -31,7 +32,7 @@ def telemetry_config(args, service: str):
 
 
 def cmd_worker(args) -> int:
-    from services.main import WorkerOptions, run, serve_worker
+    from pdserve.services.main import WorkerOptions, run, serve_worker
 
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -42,7 +43,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from services.main import GatewayOptions, run, serve_gateway
+    from pdserve.services.main import GatewayOptions, run, serve_gateway
 
     return run(serve_gateway(GatewayOptions(
         model=args.model, host=args.host, port=args.port, policy=args.policy, lease_s=args.lease,
@@ -64,95 +65,6 @@ def cmd_health(args) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{args.address}: {status}")
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-class Started(NamedTuple):
-    proc: subprocess.Popen
-    address: str  # gRPC host:port
-    metrics: str  # /metrics host:port, or "-"
-
-
-def start_process(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0,
-                  stderr=None) -> Started:
-    """Start ``pdserve <argv>`` and wait for its READY line."""
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, stderr=stderr)
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            fields = line.split()
-            return Started(proc, fields[2], fields[3].removeprefix("metrics="))
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"pdserve {' '.join(argv)} exited (code {proc.wait()}) before it was ready")
-
-
-def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _cpu_sets(n: int) -> list[str]:
-    """Spread n workers over the cores: worker i gets core i mod num_cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    return [str(cores[i % len(cores)]) for i in range(n)]
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def cmd_up(args) -> int:
-    """Gateway + prefill + decode workers on loopback; Ctrl-C (SIGINT) or SIGTERM stops them all.
-
-    The handlers are installed explicitly: a shell starts a background job (``pdserve up &`` in a
-    script) with SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
-    observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])
-    if args.otlp_endpoint:
-        observe += ["--otlp-endpoint", args.otlp_endpoint]
-    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *observe]
-    if args.kv_cache_bytes:
-        common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
-    procs: list[subprocess.Popen] = []
-    try:
-        gw, address, gw_metrics = start_process(["gateway", "--model", args.model, "--port", str(args.port),
-                                                 "--metrics-port", str(args.metrics_port), *observe])
-        procs.append(gw)
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
-        cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
-        starting = []
-        for role, cpu in zip(roles, cpus, strict=True):
-            argv = [role, *common, "--gateway", address, "--threads", str(args.threads_per_worker)]
-            if cpu:
-                argv += ["--cpus", cpu]
-            starting.append(argv)
-        metrics = [f"gateway {gw_metrics}"]
-        for argv in starting:  # each is registered with the gateway once READY
-            started = start_process(argv)
-            procs.append(started.proc)
-            metrics.append(f"{argv[0]} {started.metrics}")
-        print(f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
-              f"{args.colocated} colocated). Try: pdserve generate --url {address} \"Hello\"", flush=True)
-        print(f"/metrics: {', '.join(metrics)}", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        print("pdserve up: a process exited; stopping the rest", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        stop_processes(procs)
 
 
 def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -189,7 +101,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--threads-per-worker", type=int, default=1)
     up.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
     _observability_args(up, metrics_port=0)
-    up.set_defaults(func=cmd_up)
+    up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
     h.add_argument("address", help="host:port")
     h.add_argument("--service", default="", help="a service name; default: the server as a whole")

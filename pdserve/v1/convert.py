@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.sampler import TokenLogprobs
+from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
 
