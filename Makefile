@@ -5,6 +5,7 @@ test:
 	scripts/test
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 demo:
 	scripts/demo
 bench:

@@ -12,7 +12,10 @@ from pdserve.bench_serve import run_load
 
 ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
-DISAGGREGATED = [["prefill", "--threads", "1", "--cpus", "0"], ["decode", "--threads", "1", "--cpus", "1"]]
+DISAGGREGATED = [
+    ["prefill", "--threads", "1", "--cpus", "0"],
+    ["decode", "--threads", "1", "--cpus", "1"],
+]
 
 
 def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
@@ -27,8 +30,18 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
         asyncio.run(run_load(gw.address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
         cpu = cpu_seconds(procs)
-        summary = asyncio.run(run_load(gw.address, args.requests, args.users, args.rate, args.prompt_words,
-                                       args.output_len, args.seed, 1200))
+        summary = asyncio.run(
+            run_load(
+                gw.address,
+                args.requests,
+                args.users,
+                args.rate,
+                args.prompt_words,
+                args.output_len,
+                args.seed,
+                1200,
+            )
+        )
         summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu
         return summary
     finally:
@@ -46,12 +59,16 @@ def cpu_seconds(procs) -> float:
     return total / tick
 
 
-def load_parser(requests: int, users: int, prompt_words: str, output_len: int) -> argparse.ArgumentParser:
+def load_parser(
+    requests: int, users: int, prompt_words: str, output_len: int
+) -> argparse.ArgumentParser:
     """The load options both serving benchmarks take, with their own defaults."""
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=requests)
     p.add_argument("--users", type=int, default=users)
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead of users")
+    p.add_argument(
+        "--rate", type=float, default=None, help="Poisson arrivals per second instead of users"
+    )
     p.add_argument("--prompt-words", default=prompt_words)
     p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--seed", type=int, default=0)

@@ -20,7 +20,9 @@ SETUPS = {"disaggregated": DISAGGREGATED, "colocated": [["colocated", "--threads
 
 
 def main() -> None:
-    args = load_parser(requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128).parse_args()
+    args = load_parser(
+        requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128
+    ).parse_args()
     results = {}
     for name in SETUPS:
         print(f"== {name}", flush=True)
@@ -30,11 +32,20 @@ def main() -> None:
     print("== disaggregated / colocated")
     for key in ("tpot_s", "itl_s", "ttft_s", "tpot_short_prompts_s"):
         if d[key] and c[key]:
-            print(f"{key}: p50 {d[key]['p50'] / c[key]['p50']:.2f}x, p99 {d[key]['p99'] / c[key]['p99']:.2f}x")
+            print(
+                f"{key}: p50 {d[key]['p50'] / c[key]['p50']:.2f}x, p99 {d[key]['p99'] / c[key]['p99']:.2f}x"
+            )
     print(f"output tokens/s: {d['output_tokens_per_s'] / c['output_tokens_per_s']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "per_request"} for k, v in results.items()}, f, indent=2)
+            json.dump(
+                {
+                    k: {kk: vv for kk, vv in v.items() if kk != "per_request"}
+                    for k, v in results.items()
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

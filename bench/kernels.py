@@ -117,11 +117,15 @@ def bench_decode_cold(dtype: torch.dtype, repeats: int, layers: int = 30) -> Non
 
     def step() -> None:
         for k_cache, v_cache, _ in pools:
-            ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
+            ops.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5
+            )
 
     ms = median_ms(step, max(3, repeats // 10)) / layers
-    print(f"  decode {str(dtype)[6:]:8s} {'C, from memory':14s} {ms:8.3f} ms/layer "
-          f"{kv_bytes / ms / 1e6:7.1f} GB/s of KV   ({layers} layers' pools, 32 x {context_len} tokens)")
+    print(
+        f"  decode {str(dtype)[6:]:8s} {'C, from memory':14s} {ms:8.3f} ms/layer "
+        f"{kv_bytes / ms / 1e6:7.1f} GB/s of KV   ({layers} layers' pools, 32 x {context_len} tokens)"
+    )
 
 
 def bench_prefill(dtype: torch.dtype, repeats: int) -> None:
@@ -231,8 +235,14 @@ def bench_linear(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
             f"C/torch {c_ms / torch_ms:4.2f}   max|C - torch| {err:.1e}"
         )
     packed = dtype == torch.bfloat16 and gemm._packing() is not None
-    threshold = "packed weights: C at every M" if packed else f"gemm.LINEAR_MAX_ROWS: {gemm.LINEAR_MAX_ROWS.get(dtype)}"
-    print(f"  linear {name:8s} {weight_gb * 1e3:.0f} MB of weights; C faster at M={c_faster} ({threshold})")
+    threshold = (
+        "packed weights: C at every M"
+        if packed
+        else f"gemm.LINEAR_MAX_ROWS: {gemm.LINEAR_MAX_ROWS.get(dtype)}"
+    )
+    print(
+        f"  linear {name:8s} {weight_gb * 1e3:.0f} MB of weights; C faster at M={c_faster} ({threshold})"
+    )
 
 
 SECTIONS = ("attention", "prefill", "copies", "linear")

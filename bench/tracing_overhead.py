@@ -32,23 +32,40 @@ def main() -> None:
                 env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint} if mode == "on" else {}
                 s = run_cluster(DISAGGREGATED, args, env)
                 runs[mode].append(s)
-                print(f"round {r} tracing {mode}: {s['output_tokens_per_s']:.1f} output tok/s, "
-                      f"{s['requests_per_s']:.2f} req/s, {s['cluster_cpu_s'] / s['requests'] * 1e3:.0f} ms "
-                      f"CPU per request, errors {s['errors']}", flush=True)
+                print(
+                    f"round {r} tracing {mode}: {s['output_tokens_per_s']:.1f} output tok/s, "
+                    f"{s['requests_per_s']:.2f} req/s, {s['cluster_cpu_s'] / s['requests'] * 1e3:.0f} ms "
+                    f"CPU per request, errors {s['errors']}",
+                    flush=True,
+                )
         num_spans = len(sink.spans())
     tput = {m: statistics.median(s["output_tokens_per_s"] for s in runs[m]) for m in runs}
     ratio = tput["on"] / tput["off"]
     cpu = {m: statistics.median(s["cluster_cpu_s"] / s["requests"] for s in runs[m]) for m in runs}
-    print(f"median output tok/s: off {tput['off']:.1f}, on {tput['on']:.1f}: on/off = {ratio:.3f} "
-          f"({(1 - ratio) * 100:+.1f}% drop); {num_spans} spans received")
-    print(f"median cluster CPU per request: off {cpu['off'] * 1e3:.0f} ms, on {cpu['on'] * 1e3:.0f} ms: "
-          f"on/off = {cpu['on'] / cpu['off']:.3f}")
+    print(
+        f"median output tok/s: off {tput['off']:.1f}, on {tput['on']:.1f}: on/off = {ratio:.3f} "
+        f"({(1 - ratio) * 100:+.1f}% drop); {num_spans} spans received"
+    )
+    print(
+        f"median cluster CPU per request: off {cpu['off'] * 1e3:.0f} ms, on {cpu['on'] * 1e3:.0f} ms: "
+        f"on/off = {cpu['on'] / cpu['off']:.3f}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median_output_tokens_per_s": tput, "on_over_off": ratio, "spans": num_spans,
-                       "median_cpu_s_per_request": cpu,
-                       "runs": {m: [{k: v for k, v in s.items() if k != "per_request"} for s in runs[m]]
-                                for m in runs}}, f, indent=2)
+            json.dump(
+                {
+                    "median_output_tokens_per_s": tput,
+                    "on_over_off": ratio,
+                    "spans": num_spans,
+                    "median_cpu_s_per_request": cpu,
+                    "runs": {
+                        m: [{k: v for k, v in s.items() if k != "per_request"} for s in runs[m]]
+                        for m in runs
+                    },
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ def _block_ids(pool: int, num_blocks: int, kind: str) -> torch.Tensor:
     sizes = [num_blocks // runs + (i < num_blocks % runs) for i in range(runs)]
     slots = torch.randperm(pool // num_blocks * runs)[:runs]  # pool cut in places of max(sizes)
     place = pool // (pool // num_blocks * runs)
-    return torch.cat([torch.arange(s * place, s * place + n) for s, n in zip(slots.tolist(), sizes, strict=True)])
+    return torch.cat(
+        [torch.arange(s * place, s * place + n) for s, n in zip(slots.tolist(), sizes, strict=True)]
+    )
 
 
 def _receiver(
@@ -77,8 +79,9 @@ def _receiver(
         torch.zeros(pool, *layout.block_shape, dtype=layout.dtype) for _ in range(layout.num_layers)
     ]
     v_pools = [torch.zeros_like(p) for p in k_pools]
-    options = dict(recv_window=args.recv_window, ucx_options=args.ucx_options,
-                   max_segments=args.max_segments)
+    options = dict(
+        recv_window=args.recv_window, ucx_options=args.ucx_options, max_segments=args.max_segments
+    )
     with create_transport("ucx", layout, **options) as transport:
         conn.send(transport.address())
         while (msg := conn.recv()) is not None:
@@ -193,31 +196,49 @@ def serving(args: argparse.Namespace) -> None:
         rows = []
         gen = torch.Generator().manual_seed(0)
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0)
-        with grpc.insecure_channel(workers["decode"]) as dch, grpc.insecure_channel(workers["prefill"]) as pch:
+        with (
+            grpc.insecure_channel(workers["decode"]) as dch,
+            grpc.insecure_channel(workers["prefill"]) as pch,
+        ):
             decode, prefill = worker_pb2_grpc.DecodeStub(dch), worker_pb2_grpc.PrefillStub(pch)
             for i in range(args.warmup + args.serving):
-                ids = torch.randint(100, 40000, (args.tokens,), generator=gen).tolist()  # no prefix hits
+                ids = torch.randint(
+                    100, 40000, (args.tokens,), generator=gen
+                ).tolist()  # no prefix hits
                 rid = f"bench-{i}"
-                call = decode.Generate(worker_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_timeout_ms=30000), timeout=120)
+                call = decode.Generate(
+                    worker_pb2.DecodeRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_timeout_ms=30000
+                    ),
+                    timeout=120,
+                )
                 dest = next(call).admitted.destination
-                out = prefill.Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=sampling, destination=dest), timeout=120)
+                out = prefill.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling=sampling, destination=dest
+                    ),
+                    timeout=120,
+                )
                 for _ in call:  # the decode side finishes: its blocks are free again
                     pass
                 t = out.transfer
                 if i >= args.warmup:
                     rows.append((t.bytes, t.seconds, t.gbps, t.overlap_fraction))
-                    print(f"transfer {i}: {t.bytes} bytes, {t.seconds * 1e3:.1f} ms, {t.gbps:.3f} GB/s, "
-                          f"overlap {t.overlap_fraction:.3f}, after compute {t.seconds * (1 - t.overlap_fraction) * 1e3:.2f} ms",
-                          flush=True)
+                    print(
+                        f"transfer {i}: {t.bytes} bytes, {t.seconds * 1e3:.1f} ms, {t.gbps:.3f} GB/s, "
+                        f"overlap {t.overlap_fraction:.3f}, after compute {t.seconds * (1 - t.overlap_fraction) * 1e3:.2f} ms",
+                        flush=True,
+                    )
     finally:
         stop_processes(procs)
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     exposed = statistics.median(s * (1 - o) for _, s, _, o in rows)
-    print(f"serving, {args.tokens}-token prompts, {len(rows)} transfers: median {med[0]:.0f} bytes, "
-          f"{med[1] * 1e3:.1f} ms ({med[2]:.3f} GB/s, the prefill's compute included), overlap "
-          f"{med[3]:.3f}, after the compute {exposed * 1e3:.2f} ms", flush=True)
+    print(
+        f"serving, {args.tokens}-token prompts, {len(rows)} transfers: median {med[0]:.0f} bytes, "
+        f"{med[1] * 1e3:.1f} ms ({med[2]:.3f} GB/s, the prefill's compute included), overlap "
+        f"{med[3]:.3f}, after the compute {exposed * 1e3:.2f} ms",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -232,15 +253,21 @@ def main() -> None:
         "--mode", nargs="+", default=["pool", "framed", "wire"], choices=["pool", "framed", "wire"]
     )
     parser.add_argument(
-        "--ids", default="allocator",
+        "--ids",
+        default="allocator",
         help="block ids on both sides: allocator (one run, the default), random (worst case) or runs:N",
     )
     parser.add_argument(
-        "--serving", type=int, default=0, metavar="N",
+        "--serving",
+        type=int,
+        default=0,
+        metavar="N",
         help="instead: N prompts through real prefill and decode workers (the model's own layout)",
     )
     parser.add_argument("--pool-factor", type=int, default=4, help="pool size / transfer size")
-    parser.add_argument("--max-segments", type=int, default=2, help="direct up to this many segments")
+    parser.add_argument(
+        "--max-segments", type=int, default=2, help="direct up to this many segments"
+    )
     parser.add_argument("--recv-window", type=int, default=8, help="receives posted per transfer")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)

@@ -16,8 +16,15 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-SPAN_NAMES = {"gateway.generate", "router.pick", "decode.admit", "prefill.prefill", "kv.send",
-              "decode.kv_receive", "decode.generate"}
+SPAN_NAMES = {
+    "gateway.generate",
+    "router.pick",
+    "decode.admit",
+    "prefill.prefill",
+    "kv.send",
+    "decode.kv_receive",
+    "decode.generate",
+}
 SERVICES = {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"}
 
 
@@ -26,9 +33,13 @@ def requests(gateway: str, num: int, tag: str = "e2e", max_tokens: int = 24) -> 
 
     def one(i: int) -> int:
         with Client(gateway, timeout=300) as c:
-            deltas = list(c.generate_stream([{"role": "user", "content": f"Count to {i + 3}."}],
-                                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                                            request_id=f"{tag}-{i}"))
+            deltas = list(
+                c.generate_stream(
+                    [{"role": "user", "content": f"Count to {i + 3}."}],
+                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                    request_id=f"{tag}-{i}",
+                )
+            )
         assert deltas[-1].finish_reason == "length", deltas[-1]
         return sum(len(d.token_ids) for d in deltas)
 
@@ -36,8 +47,10 @@ def requests(gateway: str, num: int, tag: str = "e2e", max_tokens: int = 24) -> 
     with concurrent.futures.ThreadPoolExecutor(num) as pool:
         counts = list(pool.map(one, range(num)))
     assert counts == [max_tokens] * num, counts
-    print(f"{num} concurrent requests ({tag}-0..{num - 1}) through {gateway}: {max_tokens} tokens each, "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"{num} concurrent requests ({tag}-0..{num - 1}) through {gateway}: {max_tokens} tokens each, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
 
 
 def trace(path: str, request_id: str, timeout: float = 30.0) -> None:
@@ -45,7 +58,11 @@ def trace(path: str, request_id: str, timeout: float = 30.0) -> None:
     while True:  # the services export in batches: poll the receiver's file until the trace is whole
         with open(path) as f:
             spans = [json.loads(line) for line in f if line.strip()]
-        roots = [s for s in spans if s["name"] == "gateway.generate" and s["attributes"].get("request_id") == request_id]
+        roots = [
+            s
+            for s in spans
+            if s["name"] == "gateway.generate" and s["attributes"].get("request_id") == request_id
+        ]
         mine = [s for s in spans if roots and s["trace_id"] == roots[0]["trace_id"]]
         if SPAN_NAMES <= {s["name"] for s in mine} or time.monotonic() > deadline:
             break
@@ -56,11 +73,15 @@ def trace(path: str, request_id: str, timeout: float = 30.0) -> None:
     assert all(s["status"] != "ERROR" for s in mine), [s for s in mine if s["status"] == "ERROR"]
     by = {s["name"]: s for s in mine}
     assert by["decode.kv_receive"]["parent_span_id"] == by["prefill.prefill"]["span_id"]
-    assert by["kv.send"]["attributes"]["bytes"] == by["decode.kv_receive"]["attributes"]["bytes"] > 0
+    assert (
+        by["kv.send"]["attributes"]["bytes"] == by["decode.kv_receive"]["attributes"]["bytes"] > 0
+    )
     kv = by["kv.send"]["attributes"]
-    print(f"trace {roots[0]['trace_id']} of {request_id}: {len(mine)} spans from {len(SERVICES)} services; "
-          f"KV {kv['bytes']} bytes in {kv['seconds'] * 1e3:.1f} ms, {kv['messages']} messages, "
-          "over UCX between containers")
+    print(
+        f"trace {roots[0]['trace_id']} of {request_id}: {len(mine)} spans from {len(SERVICES)} services; "
+        f"KV {kv['bytes']} bytes in {kv['seconds'] * 1e3:.1f} ms, {kv['messages']} messages, "
+        "over UCX between containers"
+    )
 
 
 def _events(lines: Iterable[str]) -> Iterator[dict]:
@@ -77,8 +98,14 @@ def _events(lines: Iterable[str]) -> Iterator[dict]:
 
 
 def registered(role: str, num: int, lines: Iterable[str]) -> None:
-    addresses = {e.get("address") for e in _events(lines) if e.get("event") == "worker.registered" and e.get("role") == role}
-    assert len(addresses) == num, f"the gateway registered {len(addresses)} {role} workers, not {num}: {sorted(addresses)}"
+    addresses = {
+        e.get("address")
+        for e in _events(lines)
+        if e.get("event") == "worker.registered" and e.get("role") == role
+    }
+    assert len(addresses) == num, (
+        f"the gateway registered {len(addresses)} {role} workers, not {num}: {sorted(addresses)}"
+    )
     print(f"the gateway registered {num} {role} workers: {', '.join(sorted(addresses))}")
 
 

@@ -179,7 +179,9 @@ def rope_write_kv(
     rotate in place.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
     q = q.view(-1, num_heads, head_dim)
     k = k.view(-1, num_kv_heads, head_dim)
     v = v.reshape(-1, num_kv_heads, head_dim)

@@ -49,10 +49,14 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(random_prompt(rng, vocab, prompt_len), params, request_id=f"bench-{batch}-{i}")
+        engine.add_request(
+            random_prompt(rng, vocab, prompt_len), params, request_id=f"bench-{batch}-{i}"
+        )
     full, partial = [], []  # (seconds, tokens) of decode-only steps
     while engine.has_unfinished_requests():
-        has_prefill = bool(engine.scheduler.waiting) or any(s.in_prefill for s in engine.scheduler.running)
+        has_prefill = bool(engine.scheduler.waiting) or any(
+            s.in_prefill for s in engine.scheduler.running
+        )
         n_running = len(engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
@@ -107,8 +111,14 @@ def machine_description() -> str:
 
 
 # The kernel entry points a step's time is split by (the backend's functions, then the rest).
-PROFILED_KERNELS = ("linear", "paged_decode_attention", "prefill_attention", "rope_write_kv",
-                    "rms_norm", "silu_mul")
+PROFILED_KERNELS = (
+    "linear",
+    "paged_decode_attention",
+    "prefill_attention",
+    "rope_write_kv",
+    "rms_norm",
+    "silu_mul",
+)
 
 
 def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> str:
@@ -118,7 +128,9 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
     engine = llm.engine
     model = engine.runner.model
     ops = model.ops
-    spent: dict[str, float] = dict.fromkeys((*PROFILED_KERNELS, "lm_head + logits", "sampling"), 0.0)
+    spent: dict[str, float] = dict.fromkeys(
+        (*PROFILED_KERNELS, "lm_head + logits", "sampling"), 0.0
+    )
     depth = [0]  # a call inside another timed one (the lm_head's linear) counts for the outer
 
     def timed(name, fn):
@@ -131,18 +143,25 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
                 depth[0] -= 1
                 if depth[0] == 0:
                     spent[name] += time.perf_counter() - start
+
         return wrapper
 
     import pdserve.runner as runner_module
 
     patched = [(ops, name, getattr(ops, name)) for name in PROFILED_KERNELS if hasattr(ops, name)]
-    patched += [(model, "compute_logits", model.compute_logits), (runner_module, "sample", runner_module.sample)]
+    patched += [
+        (model, "compute_logits", model.compute_logits),
+        (runner_module, "sample", runner_module.sample),
+    ]
     rng = random.Random(0)
     # long enough that none finishes while the last prompts are prefilled or during the steps
     params = SamplingParams(max_tokens=2 * steps + 4 + batch, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(random_prompt(rng, engine.model_config.vocab_size, prompt_len), params,
-                           request_id=f"prof-{i}")
+        engine.add_request(
+            random_prompt(rng, engine.model_config.vocab_size, prompt_len),
+            params,
+            request_id=f"prof-{i}",
+        )
     while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
@@ -173,16 +192,20 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
         engine.step()
     rows = [(name, seconds) for name, seconds in spent.items() if seconds > 0]
     rest = total - sum(seconds for _, seconds in rows)
-    lines = [f"decode step at batch {batch}, {prompt_len}+ tokens of context: "
-             f"{1e3 * total / steps:.1f} ms (mean of {steps} steps)",
-             f"{'where':<26}{'ms/step':>9}{'share':>8}"]
+    lines = [
+        f"decode step at batch {batch}, {prompt_len}+ tokens of context: "
+        f"{1e3 * total / steps:.1f} ms (mean of {steps} steps)",
+        f"{'where':<26}{'ms/step':>9}{'share':>8}",
+    ]
     for name, seconds in rows:
         label = "linear (30 layers x 4)" if name == "linear" else name
         lines.append(f"{label:<26}{1e3 * seconds / steps:>9.2f}{seconds / total:>8.0%}")
     lines.append(f"{'the rest (Python, setup)':<26}{1e3 * rest / steps:>9.2f}{rest / total:>8.0%}")
     if loop_step is not None:
-        lines.append(f"(the module path, timed per kernel entry point; the layer loop that runs these steps "
-                     f"otherwise, same kernels: {1e3 * loop_step:.1f} ms per step)")
+        lines.append(
+            f"(the module path, timed per kernel entry point; the layer loop that runs these steps "
+            f"otherwise, same kernels: {1e3 * loop_step:.1f} ms per step)"
+        )
     return "\n".join(lines)
 
 
@@ -192,16 +215,28 @@ def run_offline_bench(args) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     max_seqs = max(batches + [args.max_num_seqs])
     kv_tokens = max(batches) * (args.prompt_len + args.output_len) + 1024
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-              cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-                                enable_prefix_caching=False),
-              scheduler=SchedulerConfig(max_num_seqs=max_seqs,
-                                        max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len)))
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
+        ),
+    )
     engine = llm.engine
     needed = kv_tokens // args.block_size + 1
     if engine.allocator.num_blocks < needed:
-        raise ValueError(f"KV cache has {engine.allocator.num_blocks} blocks, the benchmark needs {needed}; "
-                         f"raise --kv-cache-bytes")
+        raise ValueError(
+            f"KV cache has {engine.allocator.num_blocks} blocks, the benchmark needs {needed}; "
+            f"raise --kv-cache-bytes"
+        )
     time_decode(llm, 1, 64, 8)  # warm-up: kernels compiled, allocator touched
     result = {
         "machine": machine_description(),
@@ -216,20 +251,30 @@ def run_offline_bench(args) -> dict:
     if args.hf_baseline:
         from pdserve.model.fetch import resolve_model
 
-        result["hf"] = time_hf(resolve_model(args.model), engine.dtype, args.prompt_len, args.output_len)
+        result["hf"] = time_hf(
+            resolve_model(args.model), engine.dtype, args.prompt_len, args.output_len
+        )
     print(f"machine: {result['machine']}")
-    print(f"model: {args.model} ({result['dtype']}), prompt {args.prompt_len} tokens, {args.output_len} new")
-    print(f"prefill: {result['prefill_s'] * 1e3:.0f} ms for {args.prompt_len} tokens "
-          f"({result['prefill_tokens_per_s']:.0f} tokens/s)")
+    print(
+        f"model: {args.model} ({result['dtype']}), prompt {args.prompt_len} tokens, {args.output_len} new"
+    )
+    print(
+        f"prefill: {result['prefill_s'] * 1e3:.0f} ms for {args.prompt_len} tokens "
+        f"({result['prefill_tokens_per_s']:.0f} tokens/s)"
+    )
     for d in result["decode"]:
-        print(f"decode batch {d['batch']:>3}: {d['decode_tokens_per_s']:8.1f} tokens/s, "
-              f"step {d['step_ms_median']:.1f} ms (median of {d['decode_steps']}); all decode steps "
-              f"{d['all_decode_tokens_per_s']:.1f} tokens/s")
+        print(
+            f"decode batch {d['batch']:>3}: {d['decode_tokens_per_s']:8.1f} tokens/s, "
+            f"step {d['step_ms_median']:.1f} ms (median of {d['decode_steps']}); all decode steps "
+            f"{d['all_decode_tokens_per_s']:.1f} tokens/s"
+        )
     if "hf" in result:
         hf = result["hf"]
         ours = result["decode"][0]["decode_tokens_per_s"] if batches[0] == 1 else float("nan")
-        print(f"transformers generate batch 1: {hf['decode_tokens_per_s']:.1f} tokens/s, prefill "
-              f"{hf['prefill_s'] * 1e3:.0f} ms; pdserve/transformers decode ratio {ours / hf['decode_tokens_per_s']:.2f}x")
+        print(
+            f"transformers generate batch 1: {hf['decode_tokens_per_s']:.1f} tokens/s, prefill "
+            f"{hf['prefill_s'] * 1e3:.0f} ms; pdserve/transformers decode ratio {ours / hf['decode_tokens_per_s']:.2f}x"
+        )
     if getattr(args, "profile", None):
         print(profile_decode(llm, args.profile, args.prompt_len))
     if args.json:

@@ -24,9 +24,11 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.v1.convert import sampling_to_proto
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
-         "point government company number group problem fact river stone light music engine garden paper "
-         "cloud winter signal").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case "
+    "point government company number group problem fact river stone light music engine garden paper "
+    "cloud winter signal"
+).split()
 
 
 @dataclass
@@ -40,7 +42,7 @@ class RequestResult:
 
 
 def parse_lengths(spec: str) -> list[tuple[float, int, int]]:
-    """"64-256" or "0.9:64-256,0.1:2000" -> [(weight, lo, hi)]."""
+    """ "64-256" or "0.9:64-256,0.1:2000" -> [(weight, lo, hi)]."""
     out = []
     for part in spec.split(","):
         weight, _, rng = part.rpartition(":")
@@ -54,7 +56,9 @@ def sample_length(rng: random.Random, dist: list[tuple[float, int, int]]) -> int
     return rng.randint(lo, hi)
 
 
-async def one_request(stub, words: int, output_len: int, rng: random.Random, timeout: float) -> RequestResult:
+async def one_request(
+    stub, words: int, output_len: int, rng: random.Random, timeout: float
+) -> RequestResult:
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     req = generation_pb2.GenerateRequest(text=prompt, sampling=sampling_to_proto(params))
@@ -80,8 +84,18 @@ async def one_request(stub, words: int, output_len: int, rng: random.Random, tim
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
-    return {"p50": qs[49], "p90": qs[89], "p95": qs[94], "p99": qs[98], "mean": statistics.fmean(values)}
+    qs = (
+        statistics.quantiles(values, n=100, method="inclusive")
+        if len(values) > 1
+        else [values[0]] * 99
+    )
+    return {
+        "p50": qs[49],
+        "p90": qs[89],
+        "p95": qs[94],
+        "p99": qs[98],
+        "mean": statistics.fmean(values),
+    }
 
 
 def summarize(results: list[RequestResult], wall: float) -> dict:
@@ -99,13 +113,26 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "tpot_s": percentiles(tpot),
         "itl_s": percentiles([g for r in ok for g in r.itl]),
         "ttft_long_prompts_s": percentiles([r.ttft for r in ok if r.prompt_words >= 1000]),
-        "tpot_short_prompts_s": percentiles([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
-                                             if r.output_tokens > 1 and r.prompt_words < 1000]),
+        "tpot_short_prompts_s": percentiles(
+            [
+                (r.latency - r.ttft) / (r.output_tokens - 1)
+                for r in ok
+                if r.output_tokens > 1 and r.prompt_words < 1000
+            ]
+        ),
     }
 
 
-async def run_load(url: str, num_requests: int, users: int, rate: float | None, prompt_dist: str,
-                   output_len: int, seed: int, timeout: float) -> dict:
+async def run_load(
+    url: str,
+    num_requests: int,
+    users: int,
+    rate: float | None,
+    prompt_dist: str,
+    output_len: int,
+    seed: int,
+    timeout: float,
+) -> dict:
     rng = random.Random(seed)
     dist = parse_lengths(prompt_dist)
     jobs = [sample_length(rng, dist) for _ in range(num_requests)]
@@ -116,7 +143,11 @@ async def run_load(url: str, num_requests: int, users: int, rate: float | None, 
         if rate:
             tasks = []
             for words in jobs:
-                tasks.append(asyncio.create_task(one_request(stub, words, output_len, random.Random(rng.random()), timeout)))
+                tasks.append(
+                    asyncio.create_task(
+                        one_request(stub, words, output_len, random.Random(rng.random()), timeout)
+                    )
+                )
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
         else:
@@ -130,8 +161,14 @@ async def run_load(url: str, num_requests: int, users: int, rate: float | None, 
             await asyncio.gather(*(user(u) for u in range(users)))
         wall = time.perf_counter() - start
     summary = summarize(results, wall)
-    summary["config"] = {"url": url, "requests": num_requests, "users": users, "rate": rate,
-                         "prompt_words": prompt_dist, "output_len": output_len}
+    summary["config"] = {
+        "url": url,
+        "requests": num_requests,
+        "users": users,
+        "rate": rate,
+        "prompt_words": prompt_dist,
+        "output_len": output_len,
+    }
     summary["per_request"] = [asdict(r) | {"itl": None} for r in results]
     return summary
 
@@ -140,20 +177,34 @@ def print_summary(s: dict) -> None:
     def ms(d: dict) -> str:
         return " ".join(f"{k} {v * 1e3:.0f}" for k, v in d.items() if k != "mean") if d else "-"
 
-    print(f"{s['requests']} requests, {s['errors']} errors, {s['wall_s']:.1f} s: "
-          f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s")
+    print(
+        f"{s['requests']} requests, {s['errors']} errors, {s['wall_s']:.1f} s: "
+        f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s"
+    )
     print(f"TTFT ms  {ms(s['ttft_s'])}")
     print(f"TPOT ms  {ms(s['tpot_s'])}")
     print(f"ITL ms   {ms(s['itl_s'])}")
     if s["ttft_long_prompts_s"]:
-        print(f"TTFT of long prompts ms {ms(s['ttft_long_prompts_s'])}; TPOT of short ones ms {ms(s['tpot_short_prompts_s'])}")
+        print(
+            f"TTFT of long prompts ms {ms(s['ttft_long_prompts_s'])}; TPOT of short ones ms {ms(s['tpot_short_prompts_s'])}"
+        )
     for e in s["error_samples"]:
         print(f"error: {e}")
 
 
 def cmd_bench_serve(args) -> int:
-    summary = asyncio.run(run_load(args.url, args.requests, args.users, args.rate, args.prompt_words,
-                                   args.output_len, args.seed, args.timeout))
+    summary = asyncio.run(
+        run_load(
+            args.url,
+            args.requests,
+            args.users,
+            args.rate,
+            args.prompt_words,
+            args.output_len,
+            args.seed,
+            args.timeout,
+        )
+    )
     print_summary(summary)
     if args.json:
         with open(args.json, "w") as f:
@@ -162,15 +213,24 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_command(bsub) -> None:
-    s = bsub.add_parser("serve", help="load a running gateway; TTFT/TPOT/ITL percentiles and throughput")
+    s = bsub.add_parser(
+        "serve", help="load a running gateway; TTFT/TPOT/ITL percentiles and throughput"
+    )
     s.add_argument("--url", required=True, help="gateway host:port")
     s.add_argument("--requests", type=int, default=32)
     s.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
-    s.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    s.add_argument("--prompt-words", default="256-768",
-                   help='uniform range "LO-HI", or a mix "0.9:64-256,0.1:2000"')
+    s.add_argument(
+        "--rate", type=float, default=None, help="open loop: Poisson arrivals per second"
+    )
+    s.add_argument(
+        "--prompt-words",
+        default="256-768",
+        help='uniform range "LO-HI", or a mix "0.9:64-256,0.1:2000"',
+    )
     s.add_argument("--output-len", type=int, default=128)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--timeout", type=float, default=600.0)
-    s.add_argument("--json", default=None, help="also write the summary (and per-request numbers) here")
+    s.add_argument(
+        "--json", default=None, help="also write the summary (and per-request numbers) here"
+    )
     s.set_defaults(func=cmd_bench_serve)

@@ -12,19 +12,32 @@ def _size(text: str) -> int:
     try:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with K, M or G") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a number with K, M or G"
+        ) from None
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from pdserve.model.fetch import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a Hugging Face model folder, a .gguf file, or {DEFAULT_MODEL!r} (default; fetched once)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it, else fp32), bfloat16, float32")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a Hugging Face model folder, a .gguf file, or {DEFAULT_MODEL!r} (default; fetched once)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 where the hardware has it, else fp32), bfloat16, float32",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--kv-cache-bytes", type=_size, default=None,
-                   help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=_size,
+        default=None,
+        help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -34,17 +47,29 @@ def _llm_from(args):
     from pdserve.config import CacheConfig, SchedulerConfig
     from pdserve.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-               cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
-               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens))
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+    )
 
 
 def _sampling(args):
     from pdserve.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
 
 
 def _generate_remote(args) -> int:
@@ -99,13 +124,17 @@ def cmd_bench_offline(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     g.add_argument("prompt")
     _engine_args(g)
-    g.add_argument("--url", default=None, help="a running gateway (host:port) instead of a local engine")
+    g.add_argument(
+        "--url", default=None, help="a running gateway (host:port) instead of a local engine"
+    )
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -117,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
-    f = msub.add_parser("fetch", help="fetch and convert a model into the local cache; prints its folder")
+    f = msub.add_parser(
+        "fetch", help="fetch and convert a model into the local cache; prints its folder"
+    )
     from pdserve.model.fetch import DEFAULT_MODEL
 
     f.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -129,15 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    o = bsub.add_parser("offline", help="engine throughput: prefill tokens/s, decode tokens/s at several batch sizes")
+    o = bsub.add_parser(
+        "offline",
+        help="engine throughput: prefill tokens/s, decode tokens/s at several batch sizes",
+    )
     _engine_args(o)
     o.add_argument("--batch-sizes", default="1,8,32,64")
     o.add_argument("--prompt-len", type=int, default=512)
     o.add_argument("--output-len", type=int, default=128)
-    o.add_argument("--hf-baseline", action="store_true",
-                   help="also time Hugging Face transformers' generate at batch 1 (needs transformers)")
-    o.add_argument("--profile", type=int, default=0, metavar="BATCH",
-                   help="also print where a decode step's time goes (per kernel entry point) at this batch size")
+    o.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also time Hugging Face transformers' generate at batch 1 (needs transformers)",
+    )
+    o.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="BATCH",
+        help="also print where a decode step's time goes (per kernel entry point) at this batch size",
+    )
     o.add_argument("--json", default=None, help="also write the results to this JSON file")
     o.set_defaults(func=cmd_bench_offline)
     from pdserve import bench_serve

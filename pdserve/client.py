@@ -1,9 +1,9 @@
 """A small blocking client of the gateway's gRPC API.
 
-    from pdserve import Client, SamplingParams
-    with Client("127.0.0.1:50051") as c:
-        for delta in c.generate_stream("Hello", SamplingParams(max_tokens=16)):
-            print(delta.text, end="")
+from pdserve import Client, SamplingParams
+with Client("127.0.0.1:50051") as c:
+    for delta in c.generate_stream("Hello", SamplingParams(max_tokens=16)):
+        print(delta.text, end="")
 """
 
 from __future__ import annotations
@@ -24,33 +24,57 @@ class Client:
         self._channel = grpc.insecure_channel(self.url)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
-    def _request(self, prompt: str | list[int] | list[dict[str, str]], params: SamplingParams | None,
-                 request_id: str = "") -> generation_pb2.GenerateRequest:
-        req = generation_pb2.GenerateRequest(sampling=sampling_to_proto(params or SamplingParams()),
-                                             request_id=request_id)
+    def _request(
+        self,
+        prompt: str | list[int] | list[dict[str, str]],
+        params: SamplingParams | None,
+        request_id: str = "",
+    ) -> generation_pb2.GenerateRequest:
+        req = generation_pb2.GenerateRequest(
+            sampling=sampling_to_proto(params or SamplingParams()), request_id=request_id
+        )
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):
-            req.chat.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+            req.chat.messages.extend(
+                generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
+            )
         else:
             req.token_ids.ids.extend(prompt)
         return req
 
-    def generate_stream(self, prompt, params: SamplingParams | None = None, request_id: str = "",
-                        metadata: tuple[tuple[str, str], ...] = ()) -> Iterator[generation_pb2.GenerateResponse]:
+    def generate_stream(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str = "",
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Iterator[generation_pb2.GenerateResponse]:
         """Streamed deltas; prompt is text (raw), token ids, or chat messages [{"role", "content"}].
         ``metadata`` goes with the call, e.g. ``(("traceparent", "00-<trace>-<span>-01"),)`` to make
         the request part of the caller's trace."""
-        return self._stub.Generate(self._request(prompt, params, request_id), timeout=self.timeout,
-                                   metadata=metadata)
+        return self._stub.Generate(
+            self._request(prompt, params, request_id), timeout=self.timeout, metadata=metadata
+        )
 
-    def complete(self, prompt, params: SamplingParams | None = None, request_id: str = "",
-                 metadata: tuple[tuple[str, str], ...] = ()) -> generation_pb2.CompleteResponse:
-        return self._stub.Complete(self._request(prompt, params, request_id), timeout=self.timeout,
-                                   metadata=metadata)
+    def complete(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str = "",
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> generation_pb2.CompleteResponse:
+        return self._stub.Complete(
+            self._request(prompt, params, request_id), timeout=self.timeout, metadata=metadata
+        )
 
     def list_models(self) -> list[str]:
-        return [m.id for m in self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout).models]
+        return [
+            m.id
+            for m in self._stub.ListModels(
+                generation_pb2.ListModelsRequest(), timeout=self.timeout
+            ).models
+        ]
 
     def close(self) -> None:
         self._channel.close()

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -24,7 +29,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """"auto" means bf16 where the hardware computes it natively (CUDA, AVX512-BF16/AMX CPUs), else fp32.
+    """ "auto" means bf16 where the hardware computes it natively (CUDA, AVX512-BF16/AMX CPUs), else fp32.
 
     Measured on a 2-core Zen 3 (AVX2 only): bf16 linear layers at 32 tokens were 4x slower than fp32.
     """
@@ -35,7 +40,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}") from None
+        raise ValueError(
+            f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two from 1 to 128, got {self.block_size}"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -70,7 +79,9 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -87,7 +98,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of: auto, {', '.join(DTYPES)}")
+            raise ValueError(
+                f"dtype {self.dtype!r} is not supported; use one of: auto, {', '.join(DTYPES)}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.threads is not None and self.threads < 1:

@@ -45,14 +45,26 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(folder) if has_tokenizer else None
         tok_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(tok_eos)))
-        self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
         self.dtype = config.torch_dtype
-        self.runner = ModelRunner(folder, self.model_config, config.cache, self.dtype,
-                                  torch.device(config.device), self.max_model_len)
+        self.runner = ModelRunner(
+            folder,
+            self.model_config,
+            config.cache,
+            self.dtype,
+            torch.device(config.device),
+            self.max_model_len,
+        )
         self.allocator = BlockAllocator(self.runner.pool.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size,
-                                   config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.allocator,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+        )
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
@@ -80,7 +92,9 @@ class LLMEngine:
             raise ValueError("this model folder has no tokenizer.json; pass prompts as token ids")
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         ids = self.encode(prompt)
         self.validate(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -92,7 +106,9 @@ class LLMEngine:
         self._texts[request_id] = TextStream(self.tokenizer, ids, params.stop)
         return request_id
 
-    def reserve_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list[int]:
+    def reserve_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> list[int]:
         """Decode side: reserve KV for the whole request; returns the blocks the prompt's KV goes to.
 
         Raises AdmissionError at once when the blocks or a batch seat are not free.
@@ -111,8 +127,9 @@ class LLMEngine:
         num_prompt_blocks = -(-seq.num_prompt_tokens // self.scheduler.block_size)
         return seq.block_table[:num_prompt_blocks]
 
-    def activate_request(self, request_id: str, first_token: int,
-                         logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def activate_request(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         """Decode side: the prompt's KV is in the reserved blocks; continue from ``first_token``."""
         seq = self._seqs[request_id]
         self.scheduler.activate(seq)
@@ -135,7 +152,9 @@ class LLMEngine:
             return []
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
         self.scheduler.postprocess(batch)
-        return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)]
+        return [
+            self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
+        ]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.output_token_ids.append(token)

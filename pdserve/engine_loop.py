@@ -29,9 +29,13 @@ T = TypeVar("T")
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None,
-                 after_step: Callable[[list[RequestOutput]], None] | None = None,
-                 step_seconds: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_layer: LayerHook | None = None,
+        after_step: Callable[[list[RequestOutput]], None] | None = None,
+        step_seconds: Callable[[float], None] | None = None,
+    ) -> None:
         """``on_layer`` is passed to every step; ``after_step(outputs)`` runs in the engine thread
         after each step, before outputs are delivered (the prefill worker sends its final KV there);
         ``step_seconds(s)`` is told how long each step took (a metric)."""

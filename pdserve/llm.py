@@ -22,13 +22,28 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "cpu",
-                 threads: int | None = None, seed: int = 0, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, device=device, threads=threads, seed=seed,
-            cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(),
-        ))
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        threads: int | None = None,
+        seed: int = 0,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                threads=threads,
+                seed=seed,
+                cache=cache or CacheConfig(),
+                scheduler=scheduler or SchedulerConfig(),
+            )
+        )
         self.tokenizer = self.engine.tokenizer
 
     def chat_prompt(self, user_message: str, system: str | None = None) -> str:
@@ -36,12 +51,15 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.has_chat_template:
             raise ValueError("this model has no chat template; pass the prompt as raw text")
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user_message}]
+            {"role": "user", "content": user_message}
+        ]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def generate_stream(self, prompts: Sequence[str | list[int]],
-                        params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        ) -> Iterator[tuple[int, RequestOutput]]:
+    def generate_stream(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, delta) as tokens are produced; all prompts run batched.
 
         All prompts are validated before any runs; an early exit from the loop aborts the rest.
@@ -59,8 +77,11 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
 
-    def generate(self, prompts: Sequence[str | list[int]] | str,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         token_ids = [self._tokens(p) for p in prompts]

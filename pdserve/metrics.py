@@ -24,18 +24,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-BYTES_BUCKETS = tuple(float(4 ** i * 1024) for i in range(1, 11))  # 4 KiB .. 1 GiB
+BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(1, 11))  # 4 KiB .. 1 GiB
 
 
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_requests", "Requests ended, by outcome: ok or the gRPC status code",
-                                ["outcome"], registry=self.registry)
-        self.queue_seconds = Histogram("pdserve_queue_seconds", "Seconds a request waited before it was served",
-                                       buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.running = Gauge("pdserve_requests_running", "Requests being served", registry=self.registry)
-        self.waiting = Gauge("pdserve_requests_waiting", "Requests queued, not yet served", registry=self.registry)
+        self.requests = Counter(
+            "pdserve_requests",
+            "Requests ended, by outcome: ok or the gRPC status code",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.queue_seconds = Histogram(
+            "pdserve_queue_seconds",
+            "Seconds a request waited before it was served",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "pdserve_requests_running", "Requests being served", registry=self.registry
+        )
+        self.waiting = Gauge(
+            "pdserve_requests_waiting", "Requests queued, not yet served", registry=self.registry
+        )
 
     def request_ended(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
@@ -53,35 +65,77 @@ class GatewayMetrics(_Metrics):
         self.without_disaggregation = Counter(
             "pdserve_requests_without_disaggregation",
             "Requests served by a colocated or decode-only worker because no prefill worker could take them",
-            registry=r)
-        self.retries = Counter("pdserve_retries", "Tries of a request on another worker pair", registry=r)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests served", registry=r)
-        self.completion_tokens = Counter("pdserve_completion_tokens", "Tokens streamed to clients", registry=r)
-        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token, at the gateway",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_tpot_seconds", "Mean time per output token after the first, per request",
-                              buckets=STEP_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_itl_seconds", "Time between two streamed tokens",
-                             buckets=STEP_BUCKETS, registry=r)
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_retries", "Tries of a request on another worker pair", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of requests served", registry=r
+        )
+        self.completion_tokens = Counter(
+            "pdserve_completion_tokens", "Tokens streamed to clients", registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_ttft_seconds",
+            "Time to first token, at the gateway",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_itl_seconds",
+            "Time between two streamed tokens",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
 
 
 class WorkerMetrics(_Metrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens sampled by this worker", registry=r)
-        self.step_seconds = Histogram("pdserve_step_seconds", "Seconds of one engine step (a batched forward)",
-                                      ["phase"], buckets=STEP_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Seconds of one request's KV transfer",
-                                          ["direction"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_bytes = Histogram("pdserve_kv_transfer_bytes", "Bytes of one request's KV transfer",
-                                        ["direction"], buckets=BYTES_BUCKETS, registry=r)
-        self.transfer_failures = Counter("pdserve_kv_transfer_failures", "KV transfers that failed",
-                                         ["direction"], registry=r)
+        self.generated_tokens = Counter(
+            "pdserve_generated_tokens", "Tokens sampled by this worker", registry=r
+        )
+        self.step_seconds = Histogram(
+            "pdserve_step_seconds",
+            "Seconds of one engine step (a batched forward)",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Seconds of one request's KV transfer",
+            ["direction"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Histogram(
+            "pdserve_kv_transfer_bytes",
+            "Bytes of one request's KV transfer",
+            ["direction"],
+            buckets=BYTES_BUCKETS,
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers that failed", ["direction"], registry=r
+        )
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["state"], registry=r)
 
-    def watch(self, num_running: Callable[[], int], num_waiting: Callable[[], int],
-              num_free_blocks: Callable[[], int], num_total_blocks: int) -> None:
+    def watch(
+        self,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        num_free_blocks: Callable[[], int],
+        num_total_blocks: int,
+    ) -> None:
         """Read these at every scrape."""
         self.running.set_function(num_running)
         self.waiting.set_function(num_waiting)

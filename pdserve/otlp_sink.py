@@ -54,14 +54,24 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
         service = _attributes(rs.resource.attributes).get("service.name", "")
         for ss in rs.scope_spans:
             for s in ss.spans:
-                spans.append({
-                    "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                    "parent_span_id": s.parent_span_id.hex(), "name": s.name, "service": service,
-                    "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                    "status": _STATUS.get(s.status.code, str(s.status.code)),
-                    "status_message": s.status.message, "attributes": _attributes(s.attributes),
-                    "events": [{"name": e.name, "attributes": _attributes(e.attributes)} for e in s.events],
-                })
+                spans.append(
+                    {
+                        "trace_id": s.trace_id.hex(),
+                        "span_id": s.span_id.hex(),
+                        "parent_span_id": s.parent_span_id.hex(),
+                        "name": s.name,
+                        "service": service,
+                        "start_ns": s.start_time_unix_nano,
+                        "end_ns": s.end_time_unix_nano,
+                        "status": _STATUS.get(s.status.code, str(s.status.code)),
+                        "status_message": s.status.message,
+                        "attributes": _attributes(s.attributes),
+                        "events": [
+                            {"name": e.name, "attributes": _attributes(e.attributes)}
+                            for e in s.events
+                        ],
+                    }
+                )
     return spans
 
 
@@ -127,7 +137,9 @@ class SpanSink:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.otlp_sink", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.otlp_sink", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=4317)
     p.add_argument("--out", type=Path, default=None, help="append each span as a JSON line here")

@@ -27,7 +27,8 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = service_names
         reflection.enable_server_reflection(
-            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
 
     def bind(self, address: str) -> int:
         """Listen on ``address`` ("host:port", port 0 picks one); returns the port."""
@@ -40,7 +41,11 @@ class Server:
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ["", *self._service_names]:
             await self.health.set(name, status)
 

@@ -24,8 +24,9 @@ from pdserve.sequence import Sequence
 LayerHook = Callable[[ScheduledBatch, int, torch.Tensor, torch.Tensor], None]
 
 
-def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
     model = model.to(device=device, dtype=dtype).eval()
@@ -55,16 +56,28 @@ def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, folder: Path, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        cfg: ModelConfig,
+        cache: CacheConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.block_size = cache.block_size
         self.model = load_model(folder, cfg, dtype, device, max_model_len)
-        self.pool = KVCachePool(cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device)
+        self.pool = KVCachePool(
+            cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
+        )
 
     def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return (
+            seq.block_table[position // self.block_size] * self.block_size
+            + position % self.block_size
+        )
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         ids: list[int] = []
@@ -95,16 +108,25 @@ class ModelRunner:
         dev = self.device
         i32 = torch.int32
         prefill_seqs = [s for s, _ in batch.prefills]
-        finishing = sampling_seqs[: len(sampling_seqs) - len(batch.decodes)]  # prompts done this step
+        finishing = sampling_seqs[
+            : len(sampling_seqs) - len(batch.decodes)
+        ]  # prompts done this step
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_prefill_tokens=num_prefill_tokens,
             prefill_block_tables=_block_tables(prefill_seqs, dev) if prefill_seqs else None,
-            prefill_query_start_loc=torch.tensor(query_start, dtype=i32, device=dev) if prefill_seqs else None,
-            prefill_context_lens=torch.tensor(prefill_context, dtype=i32, device=dev) if prefill_seqs else None,
+            prefill_query_start_loc=torch.tensor(query_start, dtype=i32, device=dev)
+            if prefill_seqs
+            else None,
+            prefill_context_lens=torch.tensor(prefill_context, dtype=i32, device=dev)
+            if prefill_seqs
+            else None,
             decode_block_tables=_block_tables(batch.decodes, dev) if batch.decodes else None,
-            decode_context_lens=(torch.tensor([s.num_tokens for s in batch.decodes], dtype=i32, device=dev)
-                                 if batch.decodes else None),
+            decode_context_lens=(
+                torch.tensor([s.num_tokens for s in batch.decodes], dtype=i32, device=dev)
+                if batch.decodes
+                else None
+            ),
         )
         sample_indices = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         # the sampled rows alone: each finishing prompt's last token as a one-query prefill over
@@ -113,10 +135,14 @@ class ModelRunner:
             slot_mapping=sample_indices,  # unused
             num_prefill_tokens=len(finishing),
             prefill_block_tables=_block_tables(finishing, dev) if finishing else None,
-            prefill_query_start_loc=(torch.arange(len(finishing) + 1, dtype=i32, device=dev)
-                                     if finishing else None),
-            prefill_context_lens=(torch.tensor([s.num_prompt_tokens for s in finishing], dtype=i32, device=dev)
-                                  if finishing else None),
+            prefill_query_start_loc=(
+                torch.arange(len(finishing) + 1, dtype=i32, device=dev) if finishing else None
+            ),
+            prefill_context_lens=(
+                torch.tensor([s.num_prompt_tokens for s in finishing], dtype=i32, device=dev)
+                if finishing
+                else None
+            ),
             decode_block_tables=meta.decode_block_tables,
             decode_context_lens=meta.decode_context_lens,
         )
@@ -130,20 +156,33 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward_logits(
+        self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_caches, inputs.meta, after_layer,
-                            inputs.rows)
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.pool.kv_caches,
+            inputs.meta,
+            after_layer,
+            inputs.rows,
+        )
         return self.model.compute_logits(hidden).cpu()
 
-    def run(self, batch: ScheduledBatch, on_layer: LayerHook | None = None,
-            ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+    def run(
+        self,
+        batch: ScheduledBatch,
+        on_layer: LayerHook | None = None,
+    ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Forward the batch and sample; returns the sequences that got a token, their tokens, logprobs."""
         inputs = self.prepare(batch)
         after_layer = None
         if on_layer is not None:
+
             def after_layer(i: int) -> None:
                 on_layer(batch, i, *self.pool.kv_caches[i])
+
         logits = self.forward_logits(inputs, after_layer)
         if not inputs.sampling_seqs:
             return [], [], []

@@ -17,7 +17,9 @@ class SamplerRow:
     generator: torch.Generator | None  # seeded per request, so its draws don't depend on the batch
 
 
-def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SamplerRow]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
     """``logits`` [num_rows, vocab] fp32 -> one token per row (and its logprobs where asked)."""
     tokens = kernels.get_backend(logits.device).argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

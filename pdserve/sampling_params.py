@@ -26,7 +26,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (the dataclass is frozen).
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(
+            self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -41,9 +43,15 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

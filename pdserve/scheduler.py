@@ -34,8 +34,13 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.block_size = block_size

@@ -14,7 +14,9 @@ from pdserve.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    AWAITING_KV = "awaiting_kv"  # decode worker: blocks reserved, prompt KV arriving from a prefill worker
+    AWAITING_KV = (
+        "awaiting_kv"  # decode worker: blocks reserved, prompt KV arriving from a prefill worker
+    )
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -23,8 +25,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Token bookkeeping for one request.
 
-        positions:  0 ........................ num_computed_tokens ........ num_tokens
-                    KV already in the cache   | tokens still to run through the model
+    positions:  0 ........................ num_computed_tokens ........ num_tokens
+                KV already in the cache   | tokens still to run through the model
     """
 
     request_id: str
@@ -64,7 +66,9 @@ class Sequence:
 
     def token_at(self, position: int) -> int:
         n = self.num_prompt_tokens
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
 
     def sampler_row(self) -> SamplerRow:
         return SamplerRow(self.params, self.generator)

@@ -54,7 +54,9 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}")
+            raise ValueError(
+                f"log format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}"
+            )
 
 
 def setup(cfg: TelemetryConfig) -> None:
@@ -66,9 +68,14 @@ def setup(cfg: TelemetryConfig) -> None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         insecure = not endpoint.startswith("https://")
-        _provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{cfg.service}"}))
-        _provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint, insecure=insecure), schedule_delay_millis=500))
+        _provider = TracerProvider(
+            resource=Resource.create({"service.name": f"pdserve-{cfg.service}"})
+        )
+        _provider.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=endpoint, insecure=insecure), schedule_delay_millis=500
+            )
+        )
         _tracer = _provider.get_tracer("pdserve")
     _setup_logs(cfg.log_format, cfg.service)
 
@@ -86,8 +93,9 @@ def tracing_enabled() -> bool:
 # -- spans ------------------------------------------------------------------------------------
 
 
-def start_span(name: str, parent: Context | None, attributes: dict | None = None,
-               start_ns: int | None = None) -> Span:
+def start_span(
+    name: str, parent: Context | None, attributes: dict | None = None, start_ns: int | None = None
+) -> Span:
     """A span under ``parent`` (None: a new trace); end it with ``span.end()`` or ``end_span``."""
     return _tracer.start_span(name, context=parent, attributes=attributes, start_time=start_ns)
 
@@ -109,8 +117,14 @@ def end_span(span: Span, error: BaseException | str | None = None, code: str | N
     span.end()
 
 
-def record_span(name: str, parent: Context | None, start_ns: int, end_ns: int,
-                attributes: dict | None = None, error: BaseException | str | None = None) -> Span:
+def record_span(
+    name: str,
+    parent: Context | None,
+    start_ns: int,
+    end_ns: int,
+    attributes: dict | None = None,
+    error: BaseException | str | None = None,
+) -> Span:
     """A span for something already over (its times measured by the caller)."""
     span = start_span(name, parent, attributes, start_ns=start_ns)
     if error is not None:
@@ -163,7 +177,11 @@ def ids(span: Span) -> dict[str, str]:
 def _setup_logs(fmt: str, service: str) -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     name = f"pdserve-{service}"
 
     def add_service(_logger, _method, event: dict) -> dict:
@@ -171,9 +189,13 @@ def _setup_logs(fmt: str, service: str) -> None:
         return event
 
     structlog.configure(
-        processors=[add_service, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.format_exc_info, renderer],
+        processors=[
+            add_service,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,

@@ -11,8 +11,12 @@ class TextStream:
     Text that might still turn out to be the start of a stop string is held back until it cannot be.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    def __init__(
+        self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: tuple[str, ...]
+    ) -> None:
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        )
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""

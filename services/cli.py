@@ -18,17 +18,27 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 def engine_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
-                        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                  max_num_batched_tokens=args.max_num_batched_tokens))
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+    )
 
 
 def telemetry_config(args, service: str):
     from pdserve.telemetry import TelemetryConfig
 
-    return TelemetryConfig(service, otlp_endpoint=args.otlp_endpoint, log_format=args.log_format,
-                           log_prompts=args.log_prompts)
+    return TelemetryConfig(
+        service,
+        otlp_endpoint=args.otlp_endpoint,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
+    )
 
 
 def cmd_worker(args) -> int:
@@ -36,18 +46,40 @@ def cmd_worker(args) -> int:
 
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    return run(serve_worker(WorkerOptions(
-        role=args.command, engine=engine_config(args), host=args.host, port=args.port, gateway=args.gateway,
-        transport=args.transport, advertise=args.advertise, metrics_port=args.metrics_port,
-        telemetry=telemetry_config(args, args.command))))
+    return run(
+        serve_worker(
+            WorkerOptions(
+                role=args.command,
+                engine=engine_config(args),
+                host=args.host,
+                port=args.port,
+                gateway=args.gateway,
+                transport=args.transport,
+                advertise=args.advertise,
+                metrics_port=args.metrics_port,
+                telemetry=telemetry_config(args, args.command),
+            )
+        )
+    )
 
 
 def cmd_gateway(args) -> int:
     from pdserve.services.main import GatewayOptions, run, serve_gateway
 
-    return run(serve_gateway(GatewayOptions(
-        model=args.model, host=args.host, port=args.port, policy=args.policy, lease_s=args.lease,
-        kv_timeout_s=args.kv_timeout, metrics_port=args.metrics_port, telemetry=telemetry_config(args, "gateway"))))
+    return run(
+        serve_gateway(
+            GatewayOptions(
+                model=args.model,
+                host=args.host,
+                port=args.port,
+                policy=args.policy,
+                lease_s=args.lease,
+                kv_timeout_s=args.kv_timeout,
+                metrics_port=args.metrics_port,
+                telemetry=telemetry_config(args, "gateway"),
+            )
+        )
+    )
 
 
 def cmd_health(args) -> int:
@@ -57,8 +89,9 @@ def cmd_health(args) -> int:
 
     try:
         with grpc.insecure_channel(args.address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                        timeout=args.timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
     except grpc.RpcError as e:
         print(f"pdserve health: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -75,7 +108,9 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
     gw.add_argument("--policy", default="least_loaded", help="round_robin or least_loaded")
-    gw.add_argument("--lease", type=float, default=10.0, help="seconds a worker stays listed without heartbeat")
+    gw.add_argument(
+        "--lease", type=float, default=10.0, help="seconds a worker stays listed without heartbeat"
+    )
     gw.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
@@ -87,9 +122,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         w.add_argument("--gateway", default=None, help="register with this gateway (host:port)")
         w.add_argument("--transport", default="ucx", help="KV transport: ucx (default) or loopback")
         w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
-        w.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
-                       help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
-                            "machine's IP)")
+        w.add_argument(
+            "--advertise",
+            default=None,
+            metavar="HOST[:PORT]",
+            help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
+            "machine's IP)",
+        )
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
@@ -99,7 +138,9 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--colocated", type=int, default=0)
     up.add_argument("--threads-per-worker", type=int, default=1)
-    up.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
+    up.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
+    )
     _observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
@@ -112,11 +153,26 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
     from pdserve.telemetry import LOG_FORMATS
 
-    p.add_argument("--metrics-port", type=int, default=metrics_port,
-                   help="serve Prometheus /metrics over HTTP on this port (0 picks one, -1 turns it off)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="export traces over OTLP/gRPC here, e.g. http://localhost:4317 "
-                        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)")
-    p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
-                   help="auto: readable in a terminal, JSON lines otherwise")
-    p.add_argument("--log-prompts", action="store_true", help="let logs contain prompts and outputs (off by default)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=metrics_port,
+        help="serve Prometheus /metrics over HTTP on this port (0 picks one, -1 turns it off)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export traces over OTLP/gRPC here, e.g. http://localhost:4317 "
+        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
+    )
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="auto: readable in a terminal, JSON lines otherwise",
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="let logs contain prompts and outputs (off by default)",
+    )

@@ -20,11 +20,17 @@ class Started(NamedTuple):
     metrics: str  # /metrics host:port, or "-"
 
 
-def start_process(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0,
-                  stderr=None) -> Started:
+def start_process(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0, stderr=None
+) -> Started:
     """Start ``pdserve <argv>`` and wait for its READY line."""
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, stderr=stderr)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        stderr=stderr,
+    )
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         if line.startswith("READY "):
@@ -69,15 +75,35 @@ def cmd_up(args) -> int:
     observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])
     if args.otlp_endpoint:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
-    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), *observe]
+    common = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        *observe,
+    ]
     if args.kv_cache_bytes:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     procs: list[subprocess.Popen] = []
     try:
-        gw, address, gw_metrics = start_process(["gateway", "--model", args.model, "--port", str(args.port),
-                                                 "--metrics-port", str(args.metrics_port), *observe])
+        gw, address, gw_metrics = start_process(
+            [
+                "gateway",
+                "--model",
+                args.model,
+                "--port",
+                str(args.port),
+                "--metrics-port",
+                str(args.metrics_port),
+                *observe,
+            ]
+        )
         procs.append(gw)
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
+        roles = (
+            ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
+        )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
         starting = []
         for role, cpu in zip(roles, cpus, strict=True):
@@ -90,8 +116,11 @@ def cmd_up(args) -> int:
             started = start_process(argv)
             procs.append(started.proc)
             metrics.append(f"{argv[0]} {started.metrics}")
-        print(f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
-              f"{args.colocated} colocated). Try: pdserve generate --url {address} \"Hello\"", flush=True)
+        print(
+            f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
+            f'{args.colocated} colocated). Try: pdserve generate --url {address} "Hello"',
+            flush=True,
+        )
         print(f"/metrics: {', '.join(metrics)}", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

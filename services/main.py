@@ -49,7 +49,9 @@ class GatewayOptions:
     kv_timeout_s: float = 30.0
     max_model_len: int | None = None
     metrics_port: int = 0
-    telemetry: telemetry.TelemetryConfig = field(default_factory=lambda: telemetry.TelemetryConfig("gateway"))
+    telemetry: telemetry.TelemetryConfig = field(
+        default_factory=lambda: telemetry.TelemetryConfig("gateway")
+    )
 
 
 def _ready(role: str, address: str, metrics: str) -> None:
@@ -83,8 +85,14 @@ def kv_layout(engine: LLMEngine, model_name: str):
     from pdserve.transfer import KVLayout
 
     cfg = engine.model_config
-    return KVLayout(model=model_name, dtype=engine.dtype, block_size=engine.scheduler.block_size,
-                    num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    return KVLayout(
+        model=model_name,
+        dtype=engine.dtype,
+        block_size=engine.scheduler.block_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
 
 
 class Registration:
@@ -94,8 +102,11 @@ class Registration:
     def __init__(self, gateway: str, worker_id: str, role: str, address: str, layout) -> None:
         self.stub = worker_pb2_grpc.RegistryStub(rpc.channel(gateway))
         self.request = worker_pb2.RegisterRequest(
-            worker_id=worker_id, role=role, address=address,
-            layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash))
+            worker_id=worker_id,
+            role=role,
+            address=address,
+            layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash),
+        )
         self.period = 1.0
 
     async def register(self) -> None:
@@ -104,8 +115,11 @@ class Registration:
             resp = await self.stub.Register(self.request, timeout=10)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                print(f"pdserve {self.request.role}: gateway refused registration: {e.details()}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"pdserve {self.request.role}: gateway refused registration: {e.details()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(2) from None
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
@@ -141,8 +155,12 @@ async def serve_worker(opts: WorkerOptions) -> None:
         transport = create_transport(opts.transport, layout)
     metrics = WorkerMetrics()
     sched = engine.scheduler
-    metrics.watch(lambda: len(sched.running), lambda: len(sched.waiting) + len(sched.awaiting_kv),
-                  lambda: engine.allocator.num_free_blocks, engine.allocator.num_blocks)
+    metrics.watch(
+        lambda: len(sched.running),
+        lambda: len(sched.waiting) + len(sched.awaiting_kv),
+        lambda: engine.allocator.num_free_blocks,
+        engine.allocator.num_blocks,
+    )
     if opts.role == "prefill":
         worker = PrefillWorker(engine, transport, metrics)
         server = rpc.Server(["pdserve.v1.Prefill"])
@@ -159,16 +177,26 @@ async def serve_worker(opts: WorkerOptions) -> None:
     await server.set_serving(True)
     registration = None
     if opts.gateway:
-        reg = Registration(opts.gateway, f"{opts.role}-{uuid.uuid4().hex[:8]}", opts.role, address, layout)
+        reg = Registration(
+            opts.gateway, f"{opts.role}-{uuid.uuid4().hex[:8]}", opts.role, address, layout
+        )
         await reg.register()  # READY means: registered, the gateway routes here from now on
         registration = asyncio.create_task(reg.heartbeat_forever())
     _ready(opts.role, address, metrics_address)
-    log.info("worker.ready", role=opts.role, address=address, metrics=metrics_address,
-             kv_blocks=engine.allocator.num_blocks, tracing=telemetry.tracing_enabled())
+    log.info(
+        "worker.ready",
+        role=opts.role,
+        address=address,
+        metrics=metrics_address,
+        kv_blocks=engine.allocator.num_blocks,
+        tracing=telemetry.tracing_enabled(),
+    )
     try:
         if registration is not None:
-            done, _ = await asyncio.wait([registration, asyncio.create_task(_until_signalled())],
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [registration, asyncio.create_task(_until_signalled())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             for t in done:
                 t.result()
         else:
@@ -193,10 +221,18 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     registry = WorkerRegistry(lease_s=opts.lease_s)
-    gateway = Gateway(Tokenizer.from_folder(folder), max_len, cfg.vocab_size, registry, Router(opts.policy),
-                      model_name=folder.name, kv_timeout_s=opts.kv_timeout_s)
-    server = rpc.Server([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-                         "pdserve.v1.Registry"])
+    gateway = Gateway(
+        Tokenizer.from_folder(folder),
+        max_len,
+        cfg.vocab_size,
+        registry,
+        Router(opts.policy),
+        model_name=folder.name,
+        kv_timeout_s=opts.kv_timeout_s,
+    )
+    server = rpc.Server(
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "pdserve.v1.Registry"]
+    )
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
     port = server.bind(f"{opts.host}:{opts.port}")
@@ -204,8 +240,13 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     await server.start()
     await server.set_serving(True)
     _ready("gateway", f"{opts.host}:{port}", metrics_address)
-    telemetry.logger().info("gateway.ready", address=f"{opts.host}:{port}", metrics=metrics_address,
-                            policy=opts.policy, tracing=telemetry.tracing_enabled())
+    telemetry.logger().info(
+        "gateway.ready",
+        address=f"{opts.host}:{port}",
+        metrics=metrics_address,
+        policy=opts.policy,
+        tracing=telemetry.tracing_enabled(),
+    )
     try:
         await _until_signalled()
     finally:

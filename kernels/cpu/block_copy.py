@@ -89,7 +89,11 @@ def gather_blocks_into(cache: torch.Tensor, block_ids: BlockIds, out: torch.Tens
     if out.shape[0] != ids.numel():
         raise ValueError(f"out holds {out.shape[0]} blocks, block_ids name {ids.numel()}")
     bad = lib.gather(
-        out.data_ptr(), cache.data_ptr(), cache.shape[0], ids.data_ptr(), ids.numel(),
+        out.data_ptr(),
+        cache.data_ptr(),
+        cache.shape[0],
+        ids.data_ptr(),
+        ids.numel(),
         block_nbytes(cache),
     )
     if bad:
@@ -114,7 +118,11 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tens
     if buf.shape[0] != ids.numel():
         raise ValueError(f"buf holds {buf.shape[0]} blocks, block_ids name {ids.numel()}")
     bad = lib.scatter(
-        cache.data_ptr(), cache.shape[0], buf.data_ptr(), ids.data_ptr(), ids.numel(),
+        cache.data_ptr(),
+        cache.shape[0],
+        buf.data_ptr(),
+        ids.data_ptr(),
+        ids.numel(),
         block_nbytes(cache),
     )
     if bad:

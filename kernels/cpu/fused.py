@@ -18,19 +18,38 @@ _SOURCE = Path(__file__).with_name("fused.c")
 
 def declare_fused(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the C signatures of a library built from fused.c."""
-    lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
-        ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
+    lib.pdserve_rms_norm.argtypes = (
+        [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
+    )
     lib.pdserve_rms_norm.restype = None
     lib.pdserve_rope_write_kv.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        + [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+        [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+        ]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    )
     lib.pdserve_rope_write_kv.restype = ctypes.c_int
-    lib.pdserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
-        ctypes.c_int32, ctypes.c_int32]
+    lib.pdserve_silu_mul.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int32, ctypes.c_int32]
+    )
     lib.pdserve_silu_mul.restype = None
-    lib.pdserve_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_void_p, ctypes.c_int32]
+    lib.pdserve_argmax_rows.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int32,
+    ]
     lib.pdserve_argmax_rows.restype = None
     return lib
 
@@ -67,8 +86,14 @@ def rms_norm(
     out = torch.empty_like(x)
     n = x.shape[-1]
     lib.pdserve_rms_norm(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), x.numel() // n if n else 0, n, eps, NATIVE_DTYPES[x.dtype],
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // n if n else 0,
+        n,
+        eps,
+        NATIVE_DTYPES[x.dtype],
         torch.get_num_threads(),
     )
     return out, x if residual is None else residual
@@ -100,8 +125,9 @@ def rope_write_kv(
         or cos.shape[-1] != head_dim
         or k_cache.shape != v_cache.shape
     ):
-        return reference.rope_write_kv(qkv, positions, cos, sin, num_heads, k_cache, v_cache,
-                                       slot_mapping)
+        return reference.rope_write_kv(
+            qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping
+        )
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     if positions.shape != (qkv.shape[0],) or slots.shape != positions.shape:
@@ -111,10 +137,22 @@ def rope_write_kv(
         )
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     bad = lib.pdserve_rope_write_kv(
-        qkv.data_ptr(), qkv.shape[0], width, num_heads, num_kv_heads, head_dim,
-        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_slots,
-        NATIVE_DTYPES[qkv.dtype], torch.get_num_threads(),
+        qkv.data_ptr(),
+        qkv.shape[0],
+        width,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        num_slots,
+        NATIVE_DTYPES[qkv.dtype],
+        torch.get_num_threads(),
     )
     if bad:
         raise rope_error(bad, cos.shape[0], num_slots)
@@ -137,8 +175,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
     lib.pdserve_silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter) if inter else 0, inter,
-        NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads(),
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        gate_up.numel() // (2 * inter) if inter else 0,
+        inter,
+        NATIVE_DTYPES[gate_up.dtype],
+        torch.get_num_threads(),
     )
     return out
 
@@ -156,6 +198,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     ):
         return reference.argmax(logits)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    lib.pdserve_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
-                            torch.get_num_threads())
+    lib.pdserve_argmax_rows(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
     return out

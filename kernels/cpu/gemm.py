@@ -72,8 +72,13 @@ class _Packing:
         self.words.argtypes = [ctypes.c_int64] * 2
         self.words.restype = ctypes.c_int64
         self.pack = lib.pdserve_pack_bf16
-        self.pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                              ctypes.c_int32]
+        self.pack.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+        ]
         self.pack.restype = None
         self.linear = lib.pdserve_linear_packed
         self.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
@@ -112,8 +117,11 @@ def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
 def prepack_linear(weight: torch.Tensor) -> None:
     """Pack a projection's weight now (the model loader calls this), not at its first use."""
     packing = _packing()
-    if packing is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and (
-        weight.is_cpu and weight.is_contiguous()
+    if (
+        packing is not None
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and (weight.is_cpu and weight.is_contiguous())
     ):
         _packed_weight(packing, weight)
 
@@ -123,8 +131,9 @@ def linear_available() -> bool:
     return _linear_kernel() is not None
 
 
-def _linear_native_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      max_rows: int) -> bool:
+def _linear_native_ok(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int
+) -> bool:
     """Whether the C kernels cover these inputs (they do not do autograd). Runs on every call of
     every projection, so plain checks, cheapest first."""
     if (
@@ -166,9 +175,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias_ptr = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
     if packing is not None:
-        packing.linear(x.data_ptr(), _packed_weight(packing, weight).data_ptr(), bias_ptr,
-                       y.data_ptr(), rows, n, k, threads)
-    elif kernel(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k,
-                NATIVE_DTYPES[x.dtype], threads):
+        packing.linear(
+            x.data_ptr(),
+            _packed_weight(packing, weight).data_ptr(),
+            bias_ptr,
+            y.data_ptr(),
+            rows,
+            n,
+            k,
+            threads,
+        )
+    elif kernel(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias_ptr,
+        y.data_ptr(),
+        rows,
+        n,
+        k,
+        NATIVE_DTYPES[x.dtype],
+        threads,
+    ):
         raise MemoryError("linear: the C kernel could not allocate its scratch memory")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

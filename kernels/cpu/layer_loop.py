@@ -35,26 +35,78 @@ FAILED_ROPE, FAILED_DECODE, FAILED_PREFILL, STOPPED = range(4)  # layer_loop.c's
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("ln1", "ln2", "qkv_w", "o_w", "gate_up_w", "down_w", "qkv_b",
-                                        "o_b", "gate_up_b", "down_b", "k_cache", "v_cache")] + [
-        ("eps1", _F32), ("eps2", _F32)]
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "ln1",
+            "ln2",
+            "qkv_w",
+            "o_w",
+            "gate_up_w",
+            "down_w",
+            "qkv_b",
+            "o_b",
+            "gate_up_b",
+            "down_b",
+            "k_cache",
+            "v_cache",
+        )
+    ] + [("eps1", _F32), ("eps2", _F32)]
 
 
 class _Part(ctypes.Structure):
-    _fields_ = ([(name, _I64) for name in ("tokens", "seqs", "bt_width", "bt_stride")]
-                + [(name, _P) for name in ("block_tables", "query_start", "context_lens")])
+    _fields_ = [(name, _I64) for name in ("tokens", "seqs", "bt_width", "bt_stride")] + [
+        (name, _P) for name in ("block_tables", "query_start", "context_lens")
+    ]
 
 
 class _Step(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("rms_norm", "linear", "rope", "decode_attention", "prefill_attention",
-                                 "silu_mul")]
+        [
+            (name, _P)
+            for name in (
+                "rms_norm",
+                "linear",
+                "rope",
+                "decode_attention",
+                "prefill_attention",
+                "silu_mul",
+            )
+        ]
         + [("after_layer", _AFTER_LAYER)]
-        + [(name, _I64) for name in ("m", "hidden", "inter", "heads", "kv_heads", "head_dim", "width",
-                                     "block_size", "num_blocks", "max_positions")]
+        + [
+            (name, _I64)
+            for name in (
+                "m",
+                "hidden",
+                "inter",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "width",
+                "block_size",
+                "num_blocks",
+                "max_positions",
+            )
+        ]
         + [("scale", _F32), ("num_threads", _I32), ("prefill", _Part), ("decode", _Part)]
-        + [(name, _P) for name in ("embeddings", "normed", "qkv", "attn", "o", "gate_up", "act", "down",
-                                   "positions", "slots", "cos", "sin")]
+        + [
+            (name, _P)
+            for name in (
+                "embeddings",
+                "normed",
+                "qkv",
+                "attn",
+                "o",
+                "gate_up",
+                "act",
+                "down",
+                "positions",
+                "slots",
+                "cos",
+                "sin",
+            )
+        ]
     )
 
 
@@ -62,8 +114,13 @@ class _Step(ctypes.Structure):
 def _library() -> ctypes.CDLL | None:
     lib = ops.load_or_warn(_SOURCE, "layer loop")
     if lib is not None:
-        lib.pdserve_layers.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _I64,
-                                       ctypes.POINTER(_I32), ctypes.POINTER(_I64)]
+        lib.pdserve_layers.argtypes = [
+            ctypes.POINTER(_Step),
+            ctypes.POINTER(_Layer),
+            _I64,
+            ctypes.POINTER(_I32),
+            ctypes.POINTER(_I64),
+        ]
         lib.pdserve_layers.restype = _I64
     return lib
 
@@ -79,11 +136,22 @@ def _part(tokens: int, block_tables, context_lens, query_start=None) -> tuple[_P
     tables = ops.int32_rows(block_tables)
     lens = context_lens.to(torch.int32).contiguous()
     starts = None if query_start is None else query_start.to(torch.int32).contiguous()
-    if tables.shape[0] != lens.shape[0] or (starts is not None and starts.shape[0] != lens.shape[0] + 1):
-        raise ValueError(f"{lens.shape[0]} context lengths for {tables.shape[0]} block table rows"
-                         + ("" if starts is None else f" and {starts.shape[0]} query starts"))
-    part = _Part(tokens, lens.shape[0], tables.shape[1], tables.stride(0), tables.data_ptr(),
-                 None if starts is None else starts.data_ptr(), lens.data_ptr())
+    if tables.shape[0] != lens.shape[0] or (
+        starts is not None and starts.shape[0] != lens.shape[0] + 1
+    ):
+        raise ValueError(
+            f"{lens.shape[0]} context lengths for {tables.shape[0]} block table rows"
+            + ("" if starts is None else f" and {starts.shape[0]} query starts")
+        )
+    part = _Part(
+        tokens,
+        lens.shape[0],
+        tables.shape[1],
+        tables.stride(0),
+        tables.data_ptr(),
+        None if starts is None else starts.data_ptr(),
+        lens.data_ptr(),
+    )
     return part, [tables, lens, starts]
 
 
@@ -97,16 +165,23 @@ class LayerLoop:
         self.model = model
         self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
         self.hidden, self.heads, self.kv_heads, self.head_dim = (
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.inter = cfg.intermediate_size
         self.qkv_width = (self.heads + 2 * self.kv_heads) * self.head_dim
         rope = model.layers[0].self_attn.rope
         self.cos, self.sin = rope.cos, rope.sin
-        self.functions = (_address(fused_lib.pdserve_rms_norm), _address(packing.linear),
-                          _address(fused_lib.pdserve_rope_write_kv),
-                          _address(attn_lib.pdserve_paged_decode_attention),
-                          _address(attn_lib.pdserve_prefill_attention_bf16),
-                          _address(fused_lib.pdserve_silu_mul))
+        self.functions = (
+            _address(fused_lib.pdserve_rms_norm),
+            _address(packing.linear),
+            _address(fused_lib.pdserve_rope_write_kv),
+            _address(attn_lib.pdserve_paged_decode_attention),
+            _address(attn_lib.pdserve_prefill_attention_bf16),
+            _address(fused_lib.pdserve_silu_mul),
+        )
         self._weights = list(model.parameters())
         self._key: tuple | None = None
 
@@ -120,15 +195,27 @@ class LayerLoop:
             return self._array
         k0 = kv_caches[0][0]
         for k, v in kv_caches:
-            if not (k.dtype == v.dtype == torch.bfloat16 and k.shape == v.shape == k0.shape
-                    and k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("layer loop: every KV pool must be bf16, contiguous and of one shape")
+            if not (
+                k.dtype == v.dtype == torch.bfloat16
+                and k.shape == v.shape == k0.shape
+                and k.is_contiguous()
+                and v.is_contiguous()
+            ):
+                raise ValueError(
+                    "layer loop: every KV pool must be bf16, contiguous and of one shape"
+                )
         layers = (_Layer * len(self.model.layers))()
         keep = []
-        for entry, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
+        for entry, layer, (k_cache, v_cache) in zip(
+            layers, self.model.layers, kv_caches, strict=True
+        ):
             attn, mlp = layer.self_attn, layer.mlp
-            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                              ("down", mlp.down_proj)):
+            for name, lin in (
+                ("qkv", attn.qkv_proj),
+                ("o", attn.o_proj),
+                ("gate_up", mlp.gate_up_proj),
+                ("down", mlp.down_proj),
+            ):
                 packed = gemm._packed_weight(self.packing, lin.weight)
                 keep.append(packed)
                 setattr(entry, f"{name}_w", packed.data_ptr())
@@ -142,16 +229,26 @@ class LayerLoop:
         self._array, self._keep, self._key = layers, (keep, pools), key
         return layers
 
-    def __call__(self, input_ids, positions, kv_caches, meta, num_layers: int,
-                 after_layer: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        input_ids,
+        positions,
+        kv_caches,
+        meta,
+        num_layers: int,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         m = input_ids.shape[0]
         n = meta.num_prefill_tokens
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         if not positions.shape == slots.shape == (m,):
-            raise ValueError(f"step of {m} tokens with {positions.numel()} positions and {slots.numel()} slots")
-        prefill, keep_p = _part(n, meta.prefill_block_tables, meta.prefill_context_lens,
-                                meta.prefill_query_start_loc)
+            raise ValueError(
+                f"step of {m} tokens with {positions.numel()} positions and {slots.numel()} slots"
+            )
+        prefill, keep_p = _part(
+            n, meta.prefill_block_tables, meta.prefill_context_lens, meta.prefill_query_start_loc
+        )
         decode, keep_d = _part(m - n, meta.decode_block_tables, meta.decode_context_lens)
         if decode.seqs != m - n:
             raise ValueError(f"{m - n} decode tokens with {decode.seqs} context lengths")
@@ -160,8 +257,15 @@ class LayerLoop:
         emb = F.embedding(input_ids, self.model.embed_tokens.weight)  # then the residual stream
         H, inter, width = self.hidden, self.inter, self.qkv_width
         empty = lambda n: torch.empty(m, n, dtype=torch.bfloat16)  # noqa: E731
-        bufs = {"normed": empty(H), "qkv": empty(width), "attn": empty(self.heads * self.head_dim),
-                "o": empty(H), "gate_up": empty(2 * inter), "act": empty(inter), "down": empty(H)}
+        bufs = {
+            "normed": empty(H),
+            "qkv": empty(width),
+            "attn": empty(self.heads * self.head_dim),
+            "o": empty(H),
+            "gate_up": empty(2 * inter),
+            "act": empty(inter),
+            "down": empty(H),
+        }
         errors: list[BaseException] = []
 
         def hook(i: int) -> int:  # called from C; an exception stops the loop, then is raised here
@@ -174,14 +278,33 @@ class LayerLoop:
 
         callback = _AFTER_LAYER(hook) if after_layer is not None else _AFTER_LAYER()
         step = _Step(
-            *self.functions, callback,
-            m, H, inter, self.heads, self.kv_heads, self.head_dim, width, k0.shape[1], k0.shape[0],
-            self.cos.shape[0], self.model.layers[0].self_attn.scale, torch.get_num_threads(),
-            prefill, decode, emb.data_ptr(), *(t.data_ptr() for t in bufs.values()), positions.data_ptr(),
-            slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr())
+            *self.functions,
+            callback,
+            m,
+            H,
+            inter,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            width,
+            k0.shape[1],
+            k0.shape[0],
+            self.cos.shape[0],
+            self.model.layers[0].self_attn.scale,
+            torch.get_num_threads(),
+            prefill,
+            decode,
+            emb.data_ptr(),
+            *(t.data_ptr() for t in bufs.values()),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+        )
         kind, count = _I32(), _I64()
-        failed = self.lib.pdserve_layers(ctypes.byref(step), layers, num_layers, ctypes.byref(kind),
-                                         ctypes.byref(count))
+        failed = self.lib.pdserve_layers(
+            ctypes.byref(step), layers, num_layers, ctypes.byref(kind), ctypes.byref(count)
+        )
         del keep_p, keep_d, callback  # referenced until the call returned
         if failed >= 0:
             if kind.value == STOPPED:
@@ -209,6 +332,8 @@ def compile_layer_loop(model) -> LayerLoop | None:
     ):
         return None
     rope = model.layers[0].self_attn.rope
-    if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
+    if rope.cos.dtype != torch.float32 or not (
+        rope.cos.is_contiguous() and rope.sin.is_contiguous()
+    ):
         return None
     return LayerLoop(model, packing, fused_lib, ops._library(), loop_lib)

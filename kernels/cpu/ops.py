@@ -54,7 +54,9 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     if lib.pdserve_paged_attention_native():
         fn = lib.pdserve_prefill_attention_bf16
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int32]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int32]
+        )
         fn.restype = ctypes.c_int
     return lib
 
@@ -185,8 +187,9 @@ def prefill_attention(
         and q.stride(2) == 1
         and lib.pdserve_paged_attention_native()
     ):
-        return _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc,
-                               context_lens, scale)
+        return _prefill_native(
+            lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for s, context_len in enumerate(context_lens.tolist()):
@@ -223,10 +226,25 @@ def _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc, con
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
     num_bad = lib.pdserve_prefill_attention_bf16(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads,
-        num_kv_heads, head_dim, block_size, num_blocks, block_tables.shape[1],
-        block_tables.stride(0), q.stride(0), q.stride(1), scale, torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        block_tables.shape[1],
+        block_tables.stride(0),
+        q.stride(0),
+        q.stride(1),
+        scale,
+        torch.get_num_threads(),
     )
     if num_bad:
         raise prefill_attention_error(num_bad, num_blocks)

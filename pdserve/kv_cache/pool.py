@@ -24,7 +24,9 @@ def _device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_blocks_for(
+    model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> int:
     budget = cache.kv_cache_bytes
     if budget is None:
         budget = int(_device_memory_bytes(device) * cache.kv_cache_memory_fraction)
@@ -41,11 +43,18 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, d
 class KVCachePool:
     """Owns the KV memory of one worker; blocks are handed out by a ``BlockAllocator``."""
 
-    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
         # empty: a block's content is defined only once written (stale data is never read
         # because attention stops at each sequence's context length). CPU pools on huge pages.
         def empty() -> torch.Tensor:

@@ -54,12 +54,20 @@ def paged_attention(
     parts = []
     if n:
         parts.append(
-            ops.prefill_attention(q[:n], k_cache, v_cache, meta.prefill_block_tables,
-                                  meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+            ops.prefill_attention(
+                q[:n],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_context_lens,
+                scale,
+            )
         )
     if n < q.shape[0]:
         parts.append(
-            ops.paged_decode_attention(q[n:], k_cache, v_cache, meta.decode_block_tables,
-                                       meta.decode_context_lens, scale)
+            ops.paged_decode_attention(
+                q[n:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
         )
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -45,8 +45,16 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -84,10 +92,14 @@ class ModelConfig:
                         factor=float(scaling["factor"]),
                         low_freq_factor=float(scaling["low_freq_factor"]),
                         high_freq_factor=float(scaling["high_freq_factor"]),
-                        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                        original_max_position_embeddings=int(
+                            scaling["original_max_position_embeddings"]
+                        ),
                     )
                 else:
-                    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: llama3")
+                    raise ValueError(
+                        f"rope_scaling type {kind!r} is not supported; supported: llama3"
+                    )
             model_type = d.get("model_type", "llama")
             return cls(
                 model_type=model_type,

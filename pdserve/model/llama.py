@@ -28,7 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -42,7 +44,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, blended, scaled)
@@ -52,7 +56,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for every position, precomputed in fp32; rotate-half convention (as Hugging Face).
     Applied by ``ops.rope_write_kv``, together with the KV-cache write."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -64,27 +70,49 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim**-0.5
         self.rope = rope
         self.ops = ops
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, meta: AttentionMetadata,
-                rows: OutputRows | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache,
+        meta: AttentionMetadata,
+        rows: OutputRows | None = None,
+    ) -> torch.Tensor:
         """Every token's K/V is written; the output is every token's, or only ``rows``'."""
         # [num_tokens, q_size + 2 * kv_size]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         k_cache, v_cache = kv_cache
         # rotate q and k, write k and v into their slots; q: [num_tokens, heads, head_dim]
-        q = self.ops.rope_write_kv(qkv, positions, self.rope.cos, self.rope.sin, self.num_heads, k_cache,
-                                   v_cache, meta.slot_mapping)
+        q = self.ops.rope_write_kv(
+            qkv,
+            positions,
+            self.rope.cos,
+            self.rope.sin,
+            self.num_heads,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         if rows is not None:
             q, meta = q[rows.indices], rows.meta
-        out = paged_attention(self.ops, q, kv_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        out = paged_attention(
+            self.ops, q, kv_cache, meta, self.scale
+        )  # [num_tokens, heads, head_dim]
         return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -98,7 +126,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.ops.linear(self.ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        return self.ops.linear(
+            self.ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -137,10 +167,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.ops = ops
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                after_layer: Callable[[int], None] | None = None,
-                rows: OutputRows | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
+        rows: OutputRows | None = None,
+    ) -> torch.Tensor:
         """The final hidden states of every token, or of ``rows`` only (those whose logits are
         wanted: the last layer then skips the others' attention and MLP, which nothing reads;
         every layer still writes every token's K/V). ``after_layer(i)`` runs once layer i has
@@ -156,7 +191,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             start, x, residual = 0, self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for i in range(start, last + 1):
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta, rows if i == last else None)
+            x, residual = self.layers[i](
+                positions, x, residual, kv_caches[i], meta, rows if i == last else None
+            )
             if after_layer is not None:
                 after_layer(i)
         if x.shape[0] == 0:
@@ -167,7 +204,11 @@ class LlamaForCausalLM(nn.Module):
         """The backend's compiled layer loop for this model (made on first use), or None."""
         if "_compiled_layer_loop" not in self.__dict__:
             compile_loop = getattr(self.ops, "compile_layer_loop", None)
-            loop = compile_loop(self) if compile_loop is not None and envs.layer_loop_enabled() else None
+            loop = (
+                compile_loop(self)
+                if compile_loop is not None and envs.layer_loop_enabled()
+                else None
+            )
             self.__dict__["_compiled_layer_loop"] = loop
         return self.__dict__["_compiled_layer_loop"]
 
@@ -183,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
             self.__dict__["_compiled_layer_loop"] = loop
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [num_rows, vocab]
+        return self.ops.linear(
+            hidden, self.lm_head.weight, self.lm_head.bias
+        ).float()  # [num_rows, vocab]
 
 
 # Our parameter -> the Hugging Face tensors stacked into it (dim 0), in order.
@@ -192,17 +235,23 @@ STACKED_PARAMS = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 # Our parameter prefix -> the Hugging Face prefix.
-RENAMES = {"embed_tokens.": "model.embed_tokens.", "layers.": "model.layers.", "norm.": "model.norm.",
-           "lm_head.": "lm_head."}
+RENAMES = {
+    "embed_tokens.": "model.embed_tokens.",
+    "layers.": "model.layers.",
+    "norm.": "model.norm.",
+    "lm_head.": "lm_head.",
+}
 
 
 def load_hf_state_dict(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
     """Fill ``model`` from Hugging Face names (STACKED_PARAMS, RENAMES); every parameter must be found."""
-    params = dict(model.named_parameters())  # tied lm_head shares embed_tokens and is not listed twice
+    params = dict(
+        model.named_parameters()
+    )  # tied lm_head shares embed_tokens and is not listed twice
     missing = []
     with torch.no_grad():
         for name, param in params.items():
-            hf_name = next(h + name[len(o):] for o, h in RENAMES.items() if name.startswith(o))
+            hf_name = next(h + name[len(o) :] for o, h in RENAMES.items() if name.startswith(o))
             parts = [hf_name]
             for ours, theirs in STACKED_PARAMS.items():
                 if ours in hf_name:
@@ -212,7 +261,9 @@ def load_hf_state_dict(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> 
                 continue
             tensor = torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
             if tensor.shape != param.shape:
-                raise ValueError(f"weight {parts} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"weight {parts} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.copy_(tensor)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")

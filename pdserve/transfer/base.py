@@ -274,7 +274,10 @@ def _native_scatter(
     if lib is None or first.device.type != "cpu" or len(k_pools) != len(v_pools):
         return None
     if not all(
-        p.device.type == "cpu" and p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape
+        p.device.type == "cpu"
+        and p.is_contiguous()
+        and p.dtype == first.dtype
+        and p.shape == first.shape
         for p in (*k_pools, *v_pools)
     ):
         return None
@@ -301,8 +304,12 @@ def _native_scatter(
             v_pools[header.layer].index_copy_(0, sel, v.to(dtype))
             return
         at = ids_ptr + start * 8  # int64 ids
-        bad = scatter(k_pools[header.layer].data_ptr(), pool_blocks, k.data_ptr(), at, n, block_bytes)
-        bad += scatter(v_pools[header.layer].data_ptr(), pool_blocks, v.data_ptr(), at, n, block_bytes)
+        bad = scatter(
+            k_pools[header.layer].data_ptr(), pool_blocks, k.data_ptr(), at, n, block_bytes
+        )
+        bad += scatter(
+            v_pools[header.layer].data_ptr(), pool_blocks, v.data_ptr(), at, n, block_bytes
+        )
         if bad:
             raise IndexError(f"block ids outside [0, {pool_blocks}) of the receiver's pools")
 

@@ -50,7 +50,10 @@ def segment_starts(ids: Sequence[int]) -> list[int]:
 
 def fits_tags(num_layers: int, num_segments: int) -> bool:
     """Whether every data message of the transfer has a sub-tag below TRAILER_SUB."""
-    return 1 <= num_segments <= MAX_PLAN_SEGMENTS and num_layers * (1 + 2 * num_segments) <= TRAILER_SUB
+    return (
+        1 <= num_segments <= MAX_PLAN_SEGMENTS
+        and num_layers * (1 + 2 * num_segments) <= TRAILER_SUB
+    )
 
 
 def sub_tag(num_layers: int, num_segments: int, layer: int, kv: int, segment: int) -> int:
@@ -62,8 +65,9 @@ def pack_plan(header: LayerHeader, starts: Sequence[int]) -> bytes:
     return header.pack() + _COUNT.pack(len(starts)) + struct.pack(f"<{len(starts)}I", *starts)
 
 
-def unpack_plan(raw: memoryview | bytes, layout: KVLayout, transfer_id: int, num_blocks: int
-                ) -> tuple[LayerHeader, list[int]]:
+def unpack_plan(
+    raw: memoryview | bytes, layout: KVLayout, transfer_id: int, num_blocks: int
+) -> tuple[LayerHeader, list[int]]:
     """The plan's header and segment starts; HeaderMismatchError unless they fit this transfer."""
     header = LayerHeader.unpack(raw)
     header.check(layout)
@@ -79,8 +83,14 @@ def unpack_plan(raw: memoryview | bytes, layout: KVLayout, transfer_id: int, num
     if not fits_tags(layout.num_layers, count):
         raise HeaderMismatchError(f"{where} has {count} segments")
     starts = list(struct.unpack_from(f"<{count}I", raw, HEADER_NBYTES + _COUNT.size))
-    if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= num_blocks:
-        raise HeaderMismatchError(f"{where}: segment starts {starts} do not cut {num_blocks} blocks")
+    if (
+        starts[0] != 0
+        or any(b <= a for a, b in itertools.pairwise(starts))
+        or starts[-1] >= num_blocks
+    ):
+        raise HeaderMismatchError(
+            f"{where}: segment starts {starts} do not cut {num_blocks} blocks"
+        )
     return header, starts
 
 

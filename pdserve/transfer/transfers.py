@@ -56,6 +56,8 @@ class DirectPlan:
 
     plan_nbytes: int  # the plan message
     layer_nbytes: int  # K and V of one layer, in all its data messages
+
+
 WAIT_GRACE_S = 1.0  # wait() gives up this long after the deadline even if the transport is stuck
 
 
@@ -77,8 +79,14 @@ class TransferStats:
 
     def attributes(self) -> dict[str, int | float]:
         """For a span: what moved, how fast."""
-        return {"transfer_id": self.transfer_id, "bytes": self.nbytes, "seconds": self.seconds,
-                "gbps": self.gbps, "layers": self.num_layers, "messages": self.num_messages}
+        return {
+            "transfer_id": self.transfer_id,
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+            "layers": self.num_layers,
+            "messages": self.num_messages,
+        }
 
     def __str__(self) -> str:
         return (
@@ -253,7 +261,9 @@ class RecvTransfer:
             return f"transfer {self.transfer_id} layer {header.layer}"
 
         if header.transfer_id != self.transfer_id:
-            raise HeaderMismatchError(f"{where()}: message belongs to transfer {header.transfer_id}")
+            raise HeaderMismatchError(
+                f"{where()}: message belongs to transfer {header.transfer_id}"
+            )
         if expected_layer is not None and header.layer != expected_layer:
             raise HeaderMismatchError(f"{where()}: arrived under the tag of layer {expected_layer}")
         end = header.block_offset + header.num_blocks
@@ -288,7 +298,9 @@ class RecvTransfer:
             fn(self)
         if exc is not None:
             if self._hold_s > 0:
-                self._scheduler.call_at(time.monotonic() + self._hold_s, self.future.set_exception, exc)
+                self._scheduler.call_at(
+                    time.monotonic() + self._hold_s, self.future.set_exception, exc
+                )
             else:
                 self.future.set_exception(exc)
 
@@ -375,7 +387,9 @@ class SendTransfer:
             self._plan = self._make_plan(k_pool, v_pool, block_ids)
         if isinstance(self._plan, DirectPlan):
             remaining = self._remaining(layer)
-            futures = self.transport.send_direct(self.peer, self._plan, layer, k_pool, v_pool, remaining)
+            futures = self.transport.send_direct(
+                self.peer, self._plan, layer, k_pool, v_pool, remaining
+            )
             for i, fut in enumerate(futures):  # the layer's bytes, counted once
                 self._track(fut, self._plan.layer_nbytes if i == 0 else 0)
             return
@@ -399,8 +413,12 @@ class SendTransfer:
         last = self.transport.layout.num_layers - 1
         if isinstance(self._plan, DirectPlan):
             header = LayerHeader.for_layer(
-                self.transport.layout, self.transfer_id, last, self.num_blocks,
-                token_id=token_id, traceparent=self.traceparent,
+                self.transport.layout,
+                self.transfer_id,
+                last,
+                self.num_blocks,
+                token_id=token_id,
+                traceparent=self.traceparent,
             )
             fut = self.transport.send_trailer(self.peer, header, self._remaining(last))
             self._track(fut, HEADER_NBYTES)
@@ -410,7 +428,9 @@ class SendTransfer:
         else:
             raise RuntimeError(f"transfer {self.transfer_id}: finish before the last layer")
 
-    def _make_plan(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor) -> Any:
+    def _make_plan(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: torch.Tensor
+    ) -> Any:
         if self.dst_block_ids is None:
             return _FRAMED
         src = [int(b) for b in block_ids.tolist()]

@@ -157,7 +157,9 @@ class UCXTransport(DirectMixin, KVTransport):
         self._wake_pending = False
         self._messages = MessagePool(layout)
         cpu = CPU_UCX_OPTIONS if self.device.type == "cpu" else {}
-        self._ucx = UCXWorkerThread({**DEFAULT_UCX_OPTIONS, **cpu, **(ucx_options or {})}, self.device)
+        self._ucx = UCXWorkerThread(
+            {**DEFAULT_UCX_OPTIONS, **cpu, **(ucx_options or {})}, self.device
+        )
         self._address = pack_address(layout, bytes(self._ucx.worker.address))
 
     def close(self) -> None:

@@ -89,8 +89,14 @@ class DirectPlanUCX(DirectPlan):
     """The sender's plan: per segment, its source's byte offset in the pools (a run of blocks)
     or, where the source ids are not consecutive, those ids (gathered first)."""
 
-    def __init__(self, layout: KVLayout, transfer_id: int, src: list[int], starts: list[int],
-                 traceparent: str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        transfer_id: int,
+        src: list[int],
+        starts: list[int],
+        traceparent: str,
+    ) -> None:
         block_bytes = layout.block_nbytes()
         num_blocks = len(src)
         self.transfer_id = transfer_id
@@ -120,8 +126,9 @@ def direct_starts(layout: KVLayout, dst: list[int], max_segments: int) -> list[i
 class DirectReceive:
     """Receiver side of one direct transfer, on the UCX thread (see the module docstring)."""
 
-    def __init__(self, transport: Any, transfer: RecvTransfer, starts: list[int],
-                 landing: Landing | None) -> None:
+    def __init__(
+        self, transport: Any, transfer: RecvTransfer, starts: list[int], landing: Landing | None
+    ) -> None:
         self.ucx, self.layout, self.transfer = transport._ucx, transport.layout, transfer
         self.messages: MessagePool = transport._messages
         self.pool_bytes: PoolBytes = transport._pool_bytes
@@ -160,20 +167,29 @@ class DirectReceive:
         ids = landing.block_ids.tolist() if landing is not None else None
         if landing is None:
             cpu = torch.device("cpu")
-            self.staged = [self.messages.take(self.transfer.num_blocks, cpu) for _ in range(num_layers)]
+            self.staged = [
+                self.messages.take(self.transfer.num_blocks, cpu) for _ in range(num_layers)
+            ]
         for layer in range(num_layers):
             if landing is not None:
-                targets = (self.pool_bytes(landing.k_pools[layer]),
-                           self.pool_bytes(landing.v_pools[layer]))
+                targets = (
+                    self.pool_bytes(landing.k_pools[layer]),
+                    self.pool_bytes(landing.v_pools[layer]),
+                )
             else:
                 msg = self.staged[layer]  # type: ignore[index]
-                targets = (msg.k.view(-1).view(torch.uint8).numpy(),
-                           msg.v.view(-1).view(torch.uint8).numpy())
+                targets = (
+                    msg.k.view(-1).view(torch.uint8).numpy(),
+                    msg.v.view(-1).view(torch.uint8).numpy(),
+                )
             for kv, flat in enumerate(targets):
                 for seg, (a, count) in enumerate(self.bounds):
                     start = (ids[a] if ids is not None else a) * bb
-                    self._post(sub_tag(num_layers, num_segments, layer, kv, seg), layer,
-                               flat[start : start + count * bb])
+                    self._post(
+                        sub_tag(num_layers, num_segments, layer, kv, seg),
+                        layer,
+                        flat[start : start + count * bb],
+                    )
         self._post(TRAILER_SUB, -1, self.trailer_buf.numpy())
 
     def _post(self, sub: int, layer: int, view: Any) -> None:
@@ -200,7 +216,9 @@ class DirectReceive:
             layer = self.layout.num_layers - 1
         else:
             self.left[layer] -= 1
-        if self.left[layer] == 0 and (self.trailer is not None or layer < self.layout.num_layers - 1):
+        if self.left[layer] == 0 and (
+            self.trailer is not None or layer < self.layout.num_layers - 1
+        ):
             self._landed(layer)
 
     def _check_trailer(self) -> LayerHeader:
@@ -208,7 +226,10 @@ class DirectReceive:
         header.check(self.layout)
         tid, n = self.transfer.transfer_id, self.transfer.num_blocks
         if (header.transfer_id, header.layer, header.block_offset, header.num_blocks) != (
-            tid, self.layout.num_layers - 1, 0, n
+            tid,
+            self.layout.num_layers - 1,
+            0,
+            n,
         ):
             raise HeaderMismatchError(
                 f"transfer {tid}: trailer for transfer {header.transfer_id} layer {header.layer} "
@@ -222,9 +243,14 @@ class DirectReceive:
         if last:
             header = self.trailer
         else:
-            header = LayerHeader.for_layer(self.layout, self.transfer.transfer_id, layer,
-                                           self.transfer.num_blocks)
-        nbytes = self.layer_nbytes + (HEADER_NBYTES if last else 0) + (self.plan_nbytes if layer == 0 else 0)
+            header = LayerHeader.for_layer(
+                self.layout, self.transfer.transfer_id, layer, self.transfer.num_blocks
+            )
+        nbytes = (
+            self.layer_nbytes
+            + (HEADER_NBYTES if last else 0)
+            + (self.plan_nbytes if layer == 0 else 0)
+        )
         messages = 2 * len(self.bounds) + (1 if last else 0) + (1 if layer == 0 else 0)
         if self.staged is None:
             self.transfer.landed(header, nbytes, messages)  # type: ignore[arg-type]
@@ -277,7 +303,9 @@ class DirectMixin:
             return
         tid = transfer.transfer_id
         try:
-            header, starts = unpack_plan(memoryview(buf.numpy()), self.layout, tid, transfer.num_blocks)
+            header, starts = unpack_plan(
+                memoryview(buf.numpy()), self.layout, tid, transfer.num_blocks
+            )
             if rec.framed_seen:
                 raise HeaderMismatchError(f"transfer {tid}: a plan after framed messages")
             if rec.direct is not None and starts != rec.direct.starts:
@@ -351,7 +379,9 @@ class DirectMixin:
                     keep = block_copy.gather_blocks(pool, source)
                     view = keep.view(-1).view(torch.uint8).numpy()
                 tag = message_tag(tid, sub_tag(num_layers, num_segments, layer, kv, seg))
-                futures.append(enqueue(ucx_peer, tag, RawBuffer(keep, ucx_array(view)), deadline, where))
+                futures.append(
+                    enqueue(ucx_peer, tag, RawBuffer(keep, ucx_array(view)), deadline, where)
+                )
         return futures
 
     def send_trailer(

@@ -25,9 +25,15 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-                                  top_p=s.top_p, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                                  ignore_eos=s.ignore_eos)
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
     if s.seed is not None:
         p.seed = s.seed
     if s.logprobs is not None:
@@ -38,8 +44,11 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
 def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprob | None:
     if lp is None:
         return None
-    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 def logprobs_from_proto(p: common_pb2.TokenLogprob) -> TokenLogprobs:

@@ -17,8 +17,11 @@ DEFAULT_KV_TIMEOUT_S = 30.0
 
 def token_chunk(out) -> worker_pb2.DecodeResponse:
     logprobs = [lp for lp in map(logprobs_to_proto, out.new_logprobs) if lp is not None]
-    return worker_pb2.DecodeResponse(tokens=worker_pb2.TokenChunk(
-        token_ids=out.new_token_ids, logprobs=logprobs, finish_reason=out.finish_reason or ""))
+    return worker_pb2.DecodeResponse(
+        tokens=worker_pb2.TokenChunk(
+            token_ids=out.new_token_ids, logprobs=logprobs, finish_reason=out.finish_reason or ""
+        )
+    )
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
@@ -34,7 +37,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         parent = telemetry.from_metadata(context.invocation_metadata())
         if request.prefill_locally:
             try:
-                async for out in self.worker.generate_local(request.request_id, ids, params, parent):
+                async for out in self.worker.generate_local(
+                    request.request_id, ids, params, parent
+                ):
                     yield token_chunk(out)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -48,9 +53,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         transport = self.worker.transport
         try:
-            yield worker_pb2.DecodeResponse(admitted=worker_pb2.Admitted(destination=worker_pb2.KVDestination(
-                transfer_id=str(adm.transfer_id), kv_address=transport.address(), block_ids=adm.block_ids,
-                deadline_unix_ms=adm.deadline_unix_ms, compat_hash=transport.layout.compat_hash)))
+            yield worker_pb2.DecodeResponse(
+                admitted=worker_pb2.Admitted(
+                    destination=worker_pb2.KVDestination(
+                        transfer_id=str(adm.transfer_id),
+                        kv_address=transport.address(),
+                        block_ids=adm.block_ids,
+                        deadline_unix_ms=adm.deadline_unix_ms,
+                        compat_hash=transport.layout.compat_hash,
+                    )
+                )
+            )
             async for out in self.worker.stream(adm):
                 yield token_chunk(out)
         except TransferTimeoutError as e:

@@ -1,11 +1,11 @@
 """DecodeWorker: admission by reservation, KV landing into reserved blocks, continuous decode.
 
-    gateway                      DecodeWorker                           prefill worker
-    admit()            --->      reserve blocks (engine thread)
-                       <---      Admission(transfer id, block ids)
-                                 transport.expect(...)        <--- KV, layer by layer
-    stream()                     await all layers (deadline)
-                       <---      activate(first token) -> tokens 2..N
+gateway                      DecodeWorker                           prefill worker
+admit()            --->      reserve blocks (engine thread)
+                   <---      Admission(transfer id, block ids)
+                             transport.expect(...)        <--- KV, layer by layer
+stream()                     await all layers (deadline)
+                   <---      activate(first token) -> tokens 2..N
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class _Generation:
 
     def __init__(self, metrics: WorkerMetrics, request_id: str, parent, **attributes) -> None:
         self.metrics = metrics
-        self.span = telemetry.start_span("decode.generate", parent, {"request_id": request_id, **attributes})
+        self.span = telemetry.start_span(
+            "decode.generate", parent, {"request_id": request_id, **attributes}
+        )
         self.log = telemetry.request_logger(request_id, self.span)
         self.started = time.perf_counter()
         self.num_tokens = 0
@@ -67,10 +69,14 @@ class _Generation:
         self.finish_reason = out.finish_reason or ""
 
     def close(self, error: BaseException | str | None = None) -> None:
-        self.span.set_attributes({"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason})
+        self.span.set_attributes(
+            {"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason}
+        )
         if error is None and self.finish_reason:
             self.metrics.request_ended("ok")
-            self.log.info("decode.end", completion_tokens=self.num_tokens, finish_reason=self.finish_reason)
+            self.log.info(
+                "decode.end", completion_tokens=self.num_tokens, finish_reason=self.finish_reason
+            )
             telemetry.end_span(self.span)
             return
         error = error or "the request ended before it finished (cancelled)"
@@ -80,8 +86,9 @@ class _Generation:
 
 
 class DecodeWorker:
-    def __init__(self, engine: LLMEngine, transport: KVTransport | None,
-                 metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, transport: KVTransport | None, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
@@ -97,11 +104,18 @@ class DecodeWorker:
         if self.transport is not None:
             self.transport.close()
 
-    async def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    kv_timeout_s: float, parent: telemetry.Context | None = None) -> Admission:
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_timeout_s: float,
+        parent: telemetry.Context | None = None,
+    ) -> Admission:
         """Reserve blocks for the whole request and start receiving its KV; AdmissionError if full."""
-        span = telemetry.start_span("decode.admit", parent, {"request_id": request_id,
-                                                             "prompt_tokens": len(prompt_ids)})
+        span = telemetry.start_span(
+            "decode.admit", parent, {"request_id": request_id, "prompt_tokens": len(prompt_ids)}
+        )
         try:
             adm = await self._admit(request_id, prompt_ids, params, kv_timeout_s, parent)
         except AdmissionError as e:
@@ -116,8 +130,14 @@ class DecodeWorker:
         telemetry.end_span(span)
         return adm
 
-    async def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     kv_timeout_s: float, parent: telemetry.Context | None) -> Admission:
+    async def _admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_timeout_s: float,
+        parent: telemetry.Context | None,
+    ) -> Admission:
         if self.transport is None:
             raise ValueError("this worker has no KV transport; send prefill_locally requests")
         blocks = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
@@ -125,14 +145,23 @@ class DecodeWorker:
         v_pools = [v for _, v in self.engine.runner.pool.kv_caches]
         transfer_id = next(self._transfer_ids)
         try:
-            recv = self.transport.expect(transfer_id, len(blocks), scatter_into(k_pools, v_pools, blocks),
-                                         kv_timeout_s)
+            recv = self.transport.expect(
+                transfer_id, len(blocks), scatter_into(k_pools, v_pools, blocks), kv_timeout_s
+            )
         except BaseException:
             await self.loop.call(lambda e: e.abort_request(request_id))
             raise
         deadline_ms = int((time.time() + kv_timeout_s) * 1000)
-        return Admission(request_id, transfer_id, blocks, deadline_ms, recv, parent=parent,
-                         admitted_ns=time.time_ns(), num_prompt_tokens=len(prompt_ids))
+        return Admission(
+            request_id,
+            transfer_id,
+            blocks,
+            deadline_ms,
+            recv,
+            parent=parent,
+            admitted_ns=time.time_ns(),
+            num_prompt_tokens=len(prompt_ids),
+        )
 
     async def stream(self, adm: Admission) -> AsyncIterator[RequestOutput]:
         """Wait for the KV, then yield outputs from the second token on (the gateway already has
@@ -168,11 +197,15 @@ class DecodeWorker:
         recv = adm.recv
         try:
             # shield: a cancelled request must not cancel the transport's future (release() ends it)
-            stats = await asyncio.shield(asyncio.wrap_future(recv.future))  # TransferError propagates
+            stats = await asyncio.shield(
+                asyncio.wrap_future(recv.future)
+            )  # TransferError propagates
         except TransferError as e:
             self.metrics.transfer_failures.labels("recv").inc()
             self.metrics.request_ended("error")
-            _record_receive(adm, {"transfer_id": adm.transfer_id, "layers_received": recv.layers_received}, e)
+            _record_receive(
+                adm, {"transfer_id": adm.transfer_id, "layers_received": recv.layers_received}, e
+            )
             raise
         self.metrics.transfer("recv", stats.nbytes, stats.seconds)
         _record_receive(adm, stats.attributes())
@@ -189,12 +222,19 @@ class DecodeWorker:
         await _settled(adm.recv)
         await self.loop.call(lambda e: e.abort_request(adm.request_id))
 
-    async def generate_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                             parent: telemetry.Context | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_local(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        parent: telemetry.Context | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Colocated: prefill and decode here, no transfer."""
         q = self.loop.open_stream(request_id)
         finished = False
-        gen = _Generation(self.metrics, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True)
+        gen = _Generation(
+            self.metrics, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True
+        )
         error: BaseException | None = None
         try:
             await self.loop.call(lambda e: e.add_request(prompt_ids, params, request_id))
@@ -217,4 +257,6 @@ def _record_receive(adm: Admission, attributes: dict, error: BaseException | Non
     """``decode.kv_receive``, from admission until now, under the sender's span (from the KV
     header) when a message arrived, else under the request's."""
     parent = telemetry.from_traceparent(adm.recv.traceparent) or adm.parent
-    telemetry.record_span("decode.kv_receive", parent, adm.admitted_ns, time.time_ns(), attributes, error)
+    telemetry.record_span(
+        "decode.kv_receive", parent, adm.admitted_ns, time.time_ns(), attributes, error
+    )

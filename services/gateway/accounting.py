@@ -1,7 +1,7 @@
 """One request as the gateway sees it: its root span, its log lines and its latency metrics.
 
-    open ──> routed (router.pick span per try) ──> tokens ... ──> close(outcome)
-    TTFT = first tokens - open;  ITL = gap between streamed tokens;  TPOT = (last - first) / (n - 1)
+open ──> routed (router.pick span per try) ──> tokens ... ──> close(outcome)
+TTFT = first tokens - open;  ITL = gap between streamed tokens;  TPOT = (last - first) / (n - 1)
 """
 
 from __future__ import annotations
@@ -15,13 +15,21 @@ from pdserve.metrics import GatewayMetrics
 
 
 class GatewayRequest:
-    def __init__(self, request_id: str, parent: telemetry.Context | None, metrics: GatewayMetrics,
-                 model: str, policy: str, stream: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        parent: telemetry.Context | None,
+        metrics: GatewayMetrics,
+        model: str,
+        policy: str,
+        stream: bool,
+    ) -> None:
         self.request_id = request_id
         self.metrics = metrics
         self.policy = policy
-        self.span = telemetry.start_span("gateway.generate", parent,
-                                         {"request_id": request_id, "model": model, "stream": stream})
+        self.span = telemetry.start_span(
+            "gateway.generate", parent, {"request_id": request_id, "model": model, "stream": stream}
+        )
         self.ctx = telemetry.context_of(self.span)
         self.log = telemetry.request_logger(request_id, self.span)
         self.opened = time.perf_counter()
@@ -37,20 +45,41 @@ class GatewayRequest:
     def prepared(self, prompt_ids: list[int], max_tokens: int, prompt_text: str | None) -> None:
         self.num_prompt_tokens = len(prompt_ids)
         self.span.set_attributes({"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens})
-        extra = {"prompt": prompt_text} if telemetry.log_prompts() and prompt_text is not None else {}
-        self.log.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens, **extra)
+        extra = (
+            {"prompt": prompt_text} if telemetry.log_prompts() and prompt_text is not None else {}
+        )
+        self.log.info(
+            "request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens, **extra
+        )
 
     def routed(self, mode: str, decode: str, prefill: str, attempt: int) -> None:
         """Record one routing decision as a ``router.pick`` span (it takes no measurable time)."""
         now = time.time_ns()
-        telemetry.record_span("router.pick", self.ctx, now, now, {
-            "policy": self.policy, "mode": mode, "decode": decode, "prefill": prefill, "attempt": attempt})
+        telemetry.record_span(
+            "router.pick",
+            self.ctx,
+            now,
+            now,
+            {
+                "policy": self.policy,
+                "mode": mode,
+                "decode": decode,
+                "prefill": prefill,
+                "attempt": attempt,
+            },
+        )
         if attempt == 0:
             self.metrics.queue_seconds.observe(time.perf_counter() - self.opened)
         if mode != "disaggregated":
             self.metrics.without_disaggregation.inc()
-        self.span.set_attributes({"mode": mode, "decode_worker": decode, "prefill_worker": prefill,
-                                  "attempts": attempt + 1})
+        self.span.set_attributes(
+            {
+                "mode": mode,
+                "decode_worker": decode,
+                "prefill_worker": prefill,
+                "attempts": attempt + 1,
+            }
+        )
         self.log.info("request.routed", mode=mode, decode=decode, prefill=prefill, attempt=attempt)
 
     def tokens(self, n: int, text: str, finish_reason: str) -> None:
@@ -77,7 +106,11 @@ class GatewayRequest:
         m.running.dec()
         outcome = "ok" if code is None else code.name.lower()
         m.request_ended(outcome)
-        attrs = {"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason, "outcome": outcome}
+        attrs = {
+            "completion_tokens": self.num_tokens,
+            "finish_reason": self.finish_reason,
+            "outcome": outcome,
+        }
         if self.first is not None:
             attrs["ttft_s"] = self.first - self.opened
         if self.num_tokens > 1:

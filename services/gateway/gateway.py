@@ -33,9 +33,15 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
 from pdserve.v1.convert import logprobs_from_proto, sampling_to_proto
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.ABORTED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+}
 
 
 class GatewayError(Exception):
@@ -55,9 +61,18 @@ class Delta:
 
 
 class Gateway:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, registry: WorkerRegistry,
-                 router: Router, model_name: str, kv_timeout_s: float = 30.0, max_attempts: int = 3,
-                 queue_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        registry: WorkerRegistry,
+        router: Router,
+        model_name: str,
+        kv_timeout_s: float = 30.0,
+        max_attempts: int = 3,
+        queue_timeout_s: float = 300.0,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -73,8 +88,14 @@ class Gateway:
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
         """Start accounting for a request (its span continues a traceparent in ``metadata``)."""
-        return GatewayRequest(request_id or f"gw-{next(self._ids)}", telemetry.from_metadata(metadata),
-                              self.metrics, self.model_name, self.router.policy, stream)
+        return GatewayRequest(
+            request_id or f"gw-{next(self._ids)}",
+            telemetry.from_metadata(metadata),
+            self.metrics,
+            self.model_name,
+            self.router.policy,
+            stream,
+        )
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -82,13 +103,21 @@ class Gateway:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{len(ids) + params.max_tokens} exceeds this model's context of {self.max_model_len} tokens")
+                f"{len(ids) + params.max_tokens} exceeds this model's context of {self.max_model_len} tokens"
+            )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
-    async def generate(self, req: GatewayRequest, ids: list[int], params: SamplingParams,
-                       timeout: float | None = None) -> AsyncIterator[Delta]:
+    async def generate(
+        self,
+        req: GatewayRequest,
+        ids: list[int],
+        params: SamplingParams,
+        timeout: float | None = None,
+    ) -> AsyncIterator[Delta]:
         """Deltas of ``req`` until one carries a finish reason; GatewayError when it cannot be served."""
         text = TextStream(self.tokenizer, ids, params.stop)
         async for delta in self._route(req, ids, params, text, timeout):
@@ -97,9 +126,13 @@ class Gateway:
             if delta.finish_reason:
                 return
 
-    async def _route(self, req: GatewayRequest, ids, params, text: TextStream, timeout) -> AsyncIterator[Delta]:
+    async def _route(
+        self, req: GatewayRequest, ids, params, text: TextStream, timeout
+    ) -> AsyncIterator[Delta]:
         tried: set[str] = set()  # failed for this request: not asked again
-        full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once capacity frees
+        full: set[str] = (
+            set()
+        )  # refused admission (RESOURCE_EXHAUSTED): asked again once capacity frees
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + (timeout if timeout is not None else self.queue_timeout_s)
         last_error = "no worker is registered"
@@ -113,13 +146,17 @@ class Gateway:
                 # Every decode worker is full: queue here until one of our requests ends (or a poll
                 # interval passes: other gateways' requests free blocks too).
                 if loop.time() >= give_up_at:
-                    raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"every decode worker stayed full for {self.queue_timeout_s:g} s")
+                    raise GatewayError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"every decode worker stayed full for {self.queue_timeout_s:g} s",
+                    )
                 self.metrics.waiting.inc()
                 try:
                     async with self._capacity:
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._capacity.wait(), min(0.25, give_up_at - loop.time()))
+                            await asyncio.wait_for(
+                                self._capacity.wait(), min(0.25, give_up_at - loop.time())
+                            )
                 finally:
                     self.metrics.waiting.dec()
                 full.clear()
@@ -144,8 +181,10 @@ class Gateway:
                 raise _WorkerFailed(None, "worker stream ended without a finish reason")
             except _WorkerFailed as e:
                 if started:
-                    raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                       f"worker failed mid-stream after the first token: {e}") from None
+                    raise GatewayError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker failed mid-stream after the first token: {e}",
+                    ) from None
                 last_error = str(e)
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.worker is not None:
                     full.add(e.worker.worker_id)
@@ -160,7 +199,9 @@ class Gateway:
                 req.log.warning("request.retry", error=last_error)
             finally:
                 await stream.aclose()
-        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}")
+        raise GatewayError(
+            grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}"
+        )
 
     def _pick(self, req: GatewayRequest, attempt: int, ids, params, timeout, exclude: set[str]):
         """The token stream of the next pair to try, or None when no worker is left."""
@@ -169,7 +210,9 @@ class Gateway:
         md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
         if prefill is None:
-            local = self.router.pick(self.registry.alive("colocated") + self.registry.alive("decode"), exclude)
+            local = self.router.pick(
+                self.registry.alive("colocated") + self.registry.alive("decode"), exclude
+            )
             if local is None:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
@@ -185,15 +228,23 @@ class Gateway:
             self._capacity.notify_all()
 
     async def _local(self, worker: Worker, rid, ids, params, timeout, md):
-        req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(params),
-                                       prefill_locally=True)
+        req = worker_pb2.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=sampling_to_proto(params),
+            prefill_locally=True,
+        )
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         try:
             async for msg in _read(call, worker):
                 c = msg.tokens
-                yield list(c.token_ids), [logprobs_from_proto(p) for p in c.logprobs], c.finish_reason
+                yield (
+                    list(c.token_ids),
+                    [logprobs_from_proto(p) for p in c.logprobs],
+                    c.finish_reason,
+                )
         finally:
             worker.outstanding_tokens -= cost
             call.cancel()
@@ -204,9 +255,16 @@ class Gateway:
         cost = len(ids) + params.max_tokens
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += len(ids)
-        call = decode.stub.Generate(worker_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling,
-            kv_timeout_ms=int(self.kv_timeout_s * 1000)), timeout=timeout, metadata=md)
+        call = decode.stub.Generate(
+            worker_pb2.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling=sampling,
+                kv_timeout_ms=int(self.kv_timeout_s * 1000),
+            ),
+            timeout=timeout,
+            metadata=md,
+        )
         prefill_done = False
         try:
             reader = _read(call, decode)
@@ -214,11 +272,20 @@ class Gateway:
             if first is None or not first.HasField("admitted"):
                 raise _WorkerFailed(decode, "decode worker did not admit the request")
             try:
-                resp = await prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                    destination=first.admitted.destination), timeout=timeout or self.kv_timeout_s, metadata=md)
+                resp = await prefill.stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=rid,
+                        prompt_token_ids=ids,
+                        sampling=sampling,
+                        destination=first.admitted.destination,
+                    ),
+                    timeout=timeout or self.kv_timeout_s,
+                    metadata=md,
+                )
             except grpc.aio.AioRpcError as e:
-                raise _WorkerFailed(prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()) from None
+                raise _WorkerFailed(
+                    prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
+                ) from None
             finally:
                 prefill.outstanding_tokens -= len(ids)
                 prefill_done = True
@@ -226,7 +293,11 @@ class Gateway:
             yield [resp.first_token.token_id], lp, ""
             async for msg in reader:
                 c = msg.tokens
-                yield list(c.token_ids), [logprobs_from_proto(p) for p in c.logprobs], c.finish_reason
+                yield (
+                    list(c.token_ids),
+                    [logprobs_from_proto(p) for p in c.logprobs],
+                    c.finish_reason,
+                )
         finally:
             decode.outstanding_tokens -= cost
             if not prefill_done:
@@ -236,7 +307,9 @@ class Gateway:
 
 
 class _WorkerFailed(Exception):
-    def __init__(self, worker: Worker | None, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self, worker: Worker | None, message: str, code: grpc.StatusCode | None = None
+    ) -> None:
         super().__init__(message)
         self.worker = worker
         self.code = code
@@ -247,5 +320,6 @@ async def _read(call, worker: Worker):
         async for msg in call:
             yield msg
     except grpc.aio.AioRpcError as e:
-        raise _WorkerFailed(worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()) from None
-
+        raise _WorkerFailed(
+            worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()
+        ) from None

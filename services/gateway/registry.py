@@ -45,7 +45,9 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self.compat_hash: str | None = None  # of the first worker; every other must match
 
-    def register(self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False) -> Worker:
+    def register(
+        self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False
+    ) -> Worker:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if not address:
@@ -61,8 +63,14 @@ class WorkerRegistry:
         if old is not None and old.address == address and old.role == role:
             old.lease_expires = time.monotonic() + self.lease_s
             return old
-        w = Worker(worker_id, role, address, compat_hash, static=static,
-                   lease_expires=time.monotonic() + self.lease_s)
+        w = Worker(
+            worker_id,
+            role,
+            address,
+            compat_hash,
+            static=static,
+            lease_expires=time.monotonic() + self.lease_s,
+        )
         self.workers[worker_id] = w
         return w
 

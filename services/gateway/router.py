@@ -27,4 +27,6 @@ class Router:
         pool.sort(key=lambda w: w.worker_id)
         if self.policy == "round_robin":
             return pool[next(self._counter) % len(pool)]
-        return min(pool, key=lambda w: (w.outstanding_tokens, w.failures, next(self._counter) % len(pool)))
+        return min(
+            pool, key=lambda w: (w.outstanding_tokens, w.failures, next(self._counter) % len(pool))
+        )

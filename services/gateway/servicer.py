@@ -23,8 +23,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         gw = self.gateway
         try:
             if request.model and request.model != gw.model_name:
-                raise GatewayError(grpc.StatusCode.NOT_FOUND,
-                                   f"model {request.model!r} is not served here; available: {gw.model_name!r}")
+                raise GatewayError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"model {request.model!r} is not served here; available: {gw.model_name!r}",
+                )
             params = sampling_from_proto(request.sampling)
             kind = request.WhichOneof("prompt")
             text = None
@@ -51,17 +53,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         req = self.gateway.open(request.request_id, context.invocation_metadata(), stream=True)
-        outcome: tuple[grpc.StatusCode, str] | None = (grpc.StatusCode.CANCELLED, "the client went away")
+        outcome: tuple[grpc.StatusCode, str] | None = (
+            grpc.StatusCode.CANCELLED,
+            "the client went away",
+        )
         try:
             ids, params = self._prepare(request, req)
             completion = 0
             async for d in self.gateway.generate(req, ids, params, context.time_remaining()):
                 completion += len(d.token_ids)
                 resp = generation_pb2.GenerateResponse(
-                    request_id=req.request_id, token_ids=d.token_ids, text=d.text,
-                    logprobs=[logprobs_to_proto(lp) for lp in d.logprobs], finish_reason=d.finish_reason)
+                    request_id=req.request_id,
+                    token_ids=d.token_ids,
+                    text=d.text,
+                    logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
+                    finish_reason=d.finish_reason,
+                )
                 if d.finish_reason:
-                    resp.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=completion))
+                    resp.usage.CopyFrom(
+                        generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=completion)
+                    )
                     outcome = None
                 yield resp
         except GatewayError as e:
@@ -72,7 +83,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Complete(self, request, context):
         req = self.gateway.open(request.request_id, context.invocation_metadata(), stream=False)
-        outcome: tuple[grpc.StatusCode, str] | None = (grpc.StatusCode.CANCELLED, "the client went away")
+        outcome: tuple[grpc.StatusCode, str] | None = (
+            grpc.StatusCode.CANCELLED,
+            "the client went away",
+        )
         try:
             ids, params = self._prepare(request, req)
             resp = generation_pb2.CompleteResponse(request_id=req.request_id)
@@ -81,7 +95,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 resp.text += d.text
                 resp.logprobs.extend(logprobs_to_proto(lp) for lp in d.logprobs)
                 resp.finish_reason = d.finish_reason
-            resp.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(resp.token_ids)))
+            resp.usage.CopyFrom(
+                generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(resp.token_ids))
+            )
             outcome = None
             return resp
         except GatewayError as e:
@@ -93,7 +109,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         gw = self.gateway
         return generation_pb2.ListModelsResponse(
-            models=[generation_pb2.ModelInfo(id=gw.model_name, max_model_len=gw.max_model_len)])
+            models=[generation_pb2.ModelInfo(id=gw.model_name, max_model_len=gw.max_model_len)]
+        )
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
@@ -102,15 +119,22 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Register(self, request: worker_pb2.RegisterRequest, context):
         try:
-            self.registry.register(request.worker_id, request.role, request.address, request.layout.compat_hash)
+            self.registry.register(
+                request.worker_id, request.role, request.address, request.layout.compat_hash
+            )
         except LayoutMismatchError as e:
-            telemetry.logger().warning("worker.refused", worker_id=request.worker_id, address=request.address,
-                                       error=str(e))
+            telemetry.logger().warning(
+                "worker.refused", worker_id=request.worker_id, address=request.address, error=str(e)
+            )
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        telemetry.logger().info("worker.registered", worker_id=request.worker_id, role=request.role,
-                                address=request.address)
+        telemetry.logger().info(
+            "worker.registered",
+            worker_id=request.worker_id,
+            role=request.role,
+            address=request.address,
+        )
         return worker_pb2.RegisterResponse(lease_ms=int(self.registry.lease_s * 1000))
 
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context):

@@ -18,22 +18,34 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context
+    ) -> worker_pb2.PrefillResponse:
         d = request.destination
         try:
             params = sampling_from_proto(request.sampling)
-            dest = Destination(d.kv_address, int(d.transfer_id), list(d.block_ids),
-                               max(d.deadline_unix_ms / 1000 - time.time(), 0.001))
+            dest = Destination(
+                d.kv_address,
+                int(d.transfer_id),
+                list(d.block_ids),
+                max(d.deadline_unix_ms / 1000 - time.time(), 0.001),
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if d.compat_hash and d.compat_hash != self.worker.transport.layout.compat_hash:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"decode worker's KV layout {d.compat_hash} differs from this prefill "
-                                f"worker's {self.worker.transport.layout.compat_hash}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"decode worker's KV layout {d.compat_hash} differs from this prefill "
+                f"worker's {self.worker.transport.layout.compat_hash}",
+            )
         try:
             out, stats, overlap = await self.worker.prefill(
-                request.request_id, list(request.prompt_token_ids), params, dest,
-                telemetry.from_metadata(context.invocation_metadata()))
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                dest,
+                telemetry.from_metadata(context.invocation_metadata()),
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except HeaderMismatchError as e:
@@ -45,9 +57,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         lp = logprobs_to_proto(out.new_logprobs[0]) or None
         first = lp if lp is not None else common_pb2.TokenLogprob(token_id=out.new_token_ids[0])
         return worker_pb2.PrefillResponse(
-            first_token=first, cached_prompt_tokens=out.num_cached_tokens,
-            transfer=worker_pb2.TransferStats(bytes=stats.nbytes, seconds=stats.seconds, gbps=stats.gbps,
-                                              overlap_fraction=overlap))
+            first_token=first,
+            cached_prompt_tokens=out.num_cached_tokens,
+            transfer=worker_pb2.TransferStats(
+                bytes=stats.nbytes, seconds=stats.seconds, gbps=stats.gbps, overlap_fraction=overlap
+            ),
+        )
 
     async def Stats(self, request, context) -> worker_pb2.WorkerStats:
         return worker_stats(self.worker.engine)

@@ -60,12 +60,18 @@ def overlap_fraction(send: _Send, seconds: float) -> float:
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, transport: KVTransport, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, transport: KVTransport, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
-        self.loop = EngineLoop(engine, on_layer=self._on_layer, after_step=self._after_step,
-                               step_seconds=self.metrics.step_seconds.labels("prefill").observe)
+        self.loop = EngineLoop(
+            engine,
+            on_layer=self._on_layer,
+            after_step=self._after_step,
+            step_seconds=self.metrics.step_seconds.labels("prefill").observe,
+        )
         self._sends: dict[str, _Send] = {}
         self._peers: dict[bytes, PeerHandle] = {}
         self._peers_lock = threading.Lock()
@@ -85,41 +91,68 @@ class PrefillWorker:
                 peer = self._peers[address] = self.transport.connect(address)
             return peer
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      dest: Destination, parent: telemetry.Context | None = None
-                      ) -> tuple[RequestOutput, TransferStats, float]:
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        dest: Destination,
+        parent: telemetry.Context | None = None,
+    ) -> tuple[RequestOutput, TransferStats, float]:
         """Prefill, ship the KV to ``dest``; returns the first token, the transfer's stats and the
         share of the transfer that overlapped the model's compute. Traced as ``prefill.prefill``
         with a ``kv.send`` child; the decode side's ``decode.kv_receive`` continues it through the
         transfer header."""
-        span = telemetry.start_span("prefill.prefill", parent, {"request_id": request_id,
-                                                                "prompt_tokens": len(prompt_ids)})
+        span = telemetry.start_span(
+            "prefill.prefill", parent, {"request_id": request_id, "prompt_tokens": len(prompt_ids)}
+        )
         log = telemetry.request_logger(request_id, span)
         try:
             out, stats, overlap = await self._prefill(request_id, prompt_ids, params, dest, span)
         except BaseException as e:
-            self.metrics.request_ended("cancelled" if isinstance(e, asyncio.CancelledError) else "error")
+            self.metrics.request_ended(
+                "cancelled" if isinstance(e, asyncio.CancelledError) else "error"
+            )
             log.warning("prefill.failed", error=str(e) or type(e).__name__)
             telemetry.end_span(span, e)
             raise
         self.metrics.request_ended("ok")
         self.metrics.generated_tokens.inc()
-        log.info("prefill.done", prompt_tokens=len(prompt_ids), cached_prompt_tokens=out.num_cached_tokens,
-                 kv_bytes=stats.nbytes, kv_gbps=round(stats.gbps, 3), kv_overlap=round(overlap, 3))
+        log.info(
+            "prefill.done",
+            prompt_tokens=len(prompt_ids),
+            cached_prompt_tokens=out.num_cached_tokens,
+            kv_bytes=stats.nbytes,
+            kv_gbps=round(stats.gbps, 3),
+            kv_overlap=round(overlap, 3),
+        )
         telemetry.end_span(span)
         return out, stats, overlap
 
-    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       dest: Destination, span: telemetry.Span) -> tuple[RequestOutput, TransferStats, float]:
+    async def _prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        dest: Destination,
+        span: telemetry.Span,
+    ) -> tuple[RequestOutput, TransferStats, float]:
         self.engine.validate(prompt_ids, params)
         num_prompt_blocks = -(-len(prompt_ids) // self.engine.scheduler.block_size)
         if len(dest.block_ids) != num_prompt_blocks:
-            raise ValueError(f"destination has {len(dest.block_ids)} blocks; the prompt fills {num_prompt_blocks}")
+            raise ValueError(
+                f"destination has {len(dest.block_ids)} blocks; the prompt fills {num_prompt_blocks}"
+            )
         ctx = telemetry.context_of(span)
         peer = await asyncio.to_thread(self._peer, dest.kv_address)
-        tx = self.transport.start_send(peer, dest.transfer_id, num_prompt_blocks, dest.timeout_s,
-                                       traceparent=telemetry.traceparent(ctx),
-                                       dst_block_ids=dest.block_ids)
+        tx = self.transport.start_send(
+            peer,
+            dest.transfer_id,
+            num_prompt_blocks,
+            dest.timeout_s,
+            traceparent=telemetry.traceparent(ctx),
+            dst_block_ids=dest.block_ids,
+        )
         send = self._sends[request_id] = _Send(tx, num_prompt_blocks, submitted=time.perf_counter())
         q = self.loop.open_stream(request_id)
         done = False
@@ -128,9 +161,14 @@ class PrefillWorker:
             await self.loop.call(lambda e: e.add_request(prompt_ids, one, request_id))
             out = await q.get()
             done = True
-            span.set_attributes({"queue_wait_s": send.scheduled - send.submitted, "batch_size": send.batch_size,
-                                 "forward_s": send.compute_end - send.scheduled,
-                                 "cached_prompt_tokens": out.num_cached_tokens})
+            span.set_attributes(
+                {
+                    "queue_wait_s": send.scheduled - send.submitted,
+                    "batch_size": send.batch_size,
+                    "forward_s": send.compute_end - send.scheduled,
+                    "cached_prompt_tokens": out.num_cached_tokens,
+                }
+            )
             self.metrics.queue_seconds.observe(send.scheduled - send.submitted)
             try:
                 if send.error is not None:
@@ -139,14 +177,25 @@ class PrefillWorker:
             except BaseException as e:
                 self.metrics.transfer_failures.labels("send").inc()
                 now = time.time_ns()
-                telemetry.record_span("kv.send", ctx, telemetry.ns_ago(send.first_send) if send.first_send else now,
-                                      now, {"transfer_id": dest.transfer_id}, e)
+                telemetry.record_span(
+                    "kv.send",
+                    ctx,
+                    telemetry.ns_ago(send.first_send) if send.first_send else now,
+                    now,
+                    {"transfer_id": dest.transfer_id},
+                    e,
+                )
                 raise
             overlap = overlap_fraction(send, stats.seconds)
             self.metrics.transfer("send", stats.nbytes, stats.seconds)
             end = time.time_ns()
-            telemetry.record_span("kv.send", ctx, end - int(stats.seconds * 1e9), end,
-                                  {**stats.attributes(), "overlap_fraction": overlap, "direct": tx.direct})
+            telemetry.record_span(
+                "kv.send",
+                ctx,
+                end - int(stats.seconds * 1e9),
+                end,
+                {**stats.attributes(), "overlap_fraction": overlap, "direct": tx.direct},
+            )
             return out, stats, overlap
         finally:
             self.loop.close_stream(request_id)
@@ -158,7 +207,9 @@ class PrefillWorker:
 
     # -- engine thread ------------------------------------------------------------------------
 
-    def _on_layer(self, batch: ScheduledBatch, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def _on_layer(
+        self, batch: ScheduledBatch, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
         for seq, n in batch.prefills:
             send = self._sends.get(seq.request_id)
             if send is None:
@@ -168,8 +219,9 @@ class PrefillWorker:
             if send.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 continue
             if layer == 0 or send.block_ids is None:  # then the same blocks for every layer
-                send.block_ids = torch.tensor(seq.block_table[: send.num_blocks], dtype=torch.long,
-                                              device=k_cache.device)
+                send.block_ids = torch.tensor(
+                    seq.block_table[: send.num_blocks], dtype=torch.long, device=k_cache.device
+                )
             try:
                 # direct from the pools, or gathered into a message buffer (in C on CPU, a memcpy
                 # per run of consecutive blocks); the last layer's first token follows later

@@ -31,9 +31,16 @@ class _ComposeLoader(yaml.SafeLoader):
 
 
 for _tag in ("!reset", "!override"):
-    _ComposeLoader.add_constructor(_tag, lambda loader, node: (
-        loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
-        else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else None))
+    _ComposeLoader.add_constructor(
+        _tag,
+        lambda loader, node: (
+            loader.construct_sequence(node)
+            if isinstance(node, yaml.SequenceNode)
+            else loader.construct_mapping(node)
+            if isinstance(node, yaml.MappingNode)
+            else None
+        ),
+    )
 
 
 def _services(path: Path = COMPOSE) -> dict:
@@ -84,7 +91,9 @@ def test_ports_health_checks_and_addresses_match_the_commands():
         assert worker.port != 0, f"{role} needs a fixed port for its health check"
         assert worker.gateway == f"gateway:{gateway.port}"
         assert _health_target(s[role]) == f"127.0.0.1:{worker.port}"
-        assert "ports" not in s[role] and "container_name" not in s[role], f"{role} must stay scalable and internal"
+        assert "ports" not in s[role] and "container_name" not in s[role], (
+            f"{role} must stay scalable and internal"
+        )
         assert s[role]["depends_on"]["gateway"]["condition"] == "service_healthy"
         assert s[role]["environment"]["UCX_TLS"] == "tcp", "shared memory does not cross containers"
     assert s["gateway"]["depends_on"]["jaeger"]["condition"] == "service_healthy"
@@ -120,7 +129,11 @@ def test_the_image_default_command_and_ports_match_compose():
     text = DOCKERFILE.read_text()
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     args = _parse(cmd)
-    assert (args.command, args.host, args.port) == ("gateway", "0.0.0.0", _args(_services()["gateway"]).port)
+    assert (args.command, args.host, args.port) == (
+        "gateway",
+        "0.0.0.0",
+        _args(_services()["gateway"]).port,
+    )
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
     s = _services()
     assert exposed == {_args(s[r]).port for r in ROLES} | {_args(s[r]).metrics_port for r in ROLES}
@@ -132,7 +145,10 @@ def test_the_image_default_command_and_ports_match_compose():
 
 def _compose_v2() -> list[str] | None:
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if (
+        docker
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+    ):
         return [docker, "compose"]
     return None
 
@@ -144,8 +160,12 @@ def test_compose_config_validates(files, tmp_path):
         # docker-compose v1 reads neither the top-level name nor !reset/!override: v2 or nothing.
         pytest.skip("no compose v2 client here (`docker compose`)")
     argv = [*client, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
-    env = {**os.environ, "E2E_SPANS_DIR": str(tmp_path), "E2E_BUILD_CONTEXT": str(tmp_path),
-           "DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    env = {
+        **os.environ,
+        "E2E_SPANS_DIR": str(tmp_path),
+        "E2E_BUILD_CONTEXT": str(tmp_path),
+        "DOCKER_CONFIG": str(tmp_path / "docker-config"),
+    }
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -154,13 +174,20 @@ def test_compose_merges_the_e2e_override_as_intended(tmp_path):
     client = _compose_v2()
     if client is None:
         pytest.skip("no compose v2 client here (`docker compose`)")
-    env = {**os.environ, "E2E_SPANS_DIR": str(tmp_path), "E2E_BUILD_CONTEXT": str(tmp_path / "ctx"),
-           "E2E_GATEWAY_PORT": "50999", "DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    env = {
+        **os.environ,
+        "E2E_SPANS_DIR": str(tmp_path),
+        "E2E_BUILD_CONTEXT": str(tmp_path / "ctx"),
+        "E2E_GATEWAY_PORT": "50999",
+        "DOCKER_CONFIG": str(tmp_path / "docker-config"),
+    }
     argv = [*client, "-f", str(COMPOSE), "-f", str(OVERRIDE), "config", "--format", "json"]
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout)["services"]
-    assert [(p["host_ip"], p["published"], p["target"]) for p in s["gateway"]["ports"]] == [("127.0.0.1", "50999", 50051)]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in s["gateway"]["ports"]] == [
+        ("127.0.0.1", "50999", 50051)
+    ]
     assert "ports" not in s["jaeger"] or s["jaeger"]["ports"] == []
     assert "JAEGER_LISTEN_HOST" not in (s["jaeger"].get("environment") or {})
     assert s["jaeger"]["image"] == "pdserve:latest"

@@ -19,12 +19,17 @@ class Cluster:
     gateway: str
     workers: dict[str, tuple] = field(default_factory=dict)  # name -> (process, address, role)
     procs: list = field(default_factory=list)
-    metrics: dict[str, str] = field(default_factory=dict)  # name ("gateway" too) -> /metrics host:port
+    metrics: dict[str, str] = field(
+        default_factory=dict
+    )  # name ("gateway" too) -> /metrics host:port
     env: dict[str, str] = field(default_factory=dict)
 
     def start_worker(self, name: str, role: str, *extra: str, stderr=None) -> str:
-        proc, address, metrics = start_process([role, "--gateway", self.gateway, *WORKER_ARGS, *extra],
-                                               env={**UCX_ENV, **self.env}, stderr=stderr)
+        proc, address, metrics = start_process(
+            [role, "--gateway", self.gateway, *WORKER_ARGS, *extra],
+            env={**UCX_ENV, **self.env},
+            stderr=stderr,
+        )
         self.workers[name] = (proc, address, role)
         self.metrics[name] = metrics
         self.procs.append(proc)
@@ -33,7 +38,11 @@ class Cluster:
     def stats(self, name: str) -> worker_pb2.WorkerStats:
         _, address, role = self.workers[name]
         with grpc.insecure_channel(address) as ch:
-            stub = worker_pb2_grpc.PrefillStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeStub(ch)
+            stub = (
+                worker_pb2_grpc.PrefillStub(ch)
+                if role == "prefill"
+                else worker_pb2_grpc.DecodeStub(ch)
+            )
             return stub.Stats(worker_pb2.StatsRequest(), timeout=5)
 
     def wait_all_free(self, timeout: float) -> dict[str, worker_pb2.WorkerStats]:
@@ -41,7 +50,10 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             stats = {n: self.stats(n) for n, (p, _, _) in self.workers.items() if p.poll() is None}
-            if all(s.num_free_blocks == s.num_total_blocks for s in stats.values()) or time.monotonic() > deadline:
+            if (
+                all(s.num_free_blocks == s.num_total_blocks for s in stats.values())
+                or time.monotonic() > deadline
+            ):
                 return stats
             time.sleep(0.05)
 
@@ -52,7 +64,9 @@ class Cluster:
 
 
 def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=None) -> Cluster:
-    proc, address, metrics = start_process(["gateway", "--port", "0", *gateway_args], env=env, stderr=stderr)
+    proc, address, metrics = start_process(
+        ["gateway", "--port", "0", *gateway_args], env=env, stderr=stderr
+    )
     c = Cluster(address, env=dict(env or {}))
     c.procs.append(proc)
     c.metrics["gateway"] = metrics

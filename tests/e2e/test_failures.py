@@ -16,7 +16,9 @@ from pdserve import Client, SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.cluster import UCX_ENV, WORKER_ARGS, start_cluster
 
-LONG_PROMPT = " ".join(["river stone light music engine garden"] * 300)  # ~1,800 tokens: prefill takes seconds
+LONG_PROMPT = " ".join(
+    ["river stone light music engine garden"] * 300
+)  # ~1,800 tokens: prefill takes seconds
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -46,7 +48,9 @@ def test_decode_killed_mid_stream_gives_an_error_within_5s(fresh):
     c.start_worker("prefill", "prefill")
     c.start_worker("decode", "decode")
     with Client(c.gateway, timeout=60) as client:
-        stream = client.generate_stream("Tell me a long story.", SamplingParams(max_tokens=3000, ignore_eos=True))
+        stream = client.generate_stream(
+            "Tell me a long story.", SamplingParams(max_tokens=3000, ignore_eos=True)
+        )
         next(stream)
         next(stream)
         c.kill("decode")
@@ -68,14 +72,21 @@ def test_prefill_killed_before_answering_is_retried_on_the_other(fresh):
 
     def run():
         with Client(c.gateway, timeout=120) as client:
-            result["r"] = client.complete(LONG_PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            result["r"] = client.complete(
+                LONG_PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            )
 
     t = threading.Thread(target=run)
     t.start()
     # Whichever prefill worker took the request: kill it while it computes.
     busy = []
-    wait_until(lambda: busy.extend(n for n in ("prefill-a", "prefill-b") if c.stats(n).num_running) or busy,
-               30, "a prefill worker to start the request")
+    wait_until(
+        lambda: (
+            busy.extend(n for n in ("prefill-a", "prefill-b") if c.stats(n).num_running) or busy
+        ),
+        30,
+        "a prefill worker to start the request",
+    )
     c.kill(busy[0])
     t.join(timeout=120)
     assert len(result["r"].token_ids) == 4 and result["r"].finish_reason == "length"
@@ -95,12 +106,22 @@ def test_transfer_whose_prefill_dies_half_way_frees_decode_blocks_by_the_deadlin
     sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0)
     d_addr, p_addr = c.workers["decode"][1], c.workers["prefill"][1]
     with grpc.insecure_channel(d_addr) as dch, grpc.insecure_channel(p_addr) as pch:
-        call = worker_pb2_grpc.DecodeStub(dch).Generate(worker_pb2.DecodeRequest(
-            request_id="r1", prompt_token_ids=ids, sampling=sampling, kv_timeout_ms=3000), timeout=30)
+        call = worker_pb2_grpc.DecodeStub(dch).Generate(
+            worker_pb2.DecodeRequest(
+                request_id="r1", prompt_token_ids=ids, sampling=sampling, kv_timeout_ms=3000
+            ),
+            timeout=30,
+        )
         admitted = next(call).admitted
         assert c.stats("decode").num_free_blocks < c.stats("decode").num_total_blocks
-        pending = worker_pb2_grpc.PrefillStub(pch).Prefill.future(worker_pb2.PrefillRequest(
-            request_id="r1", prompt_token_ids=ids, sampling=sampling, destination=admitted.destination))
+        pending = worker_pb2_grpc.PrefillStub(pch).Prefill.future(
+            worker_pb2.PrefillRequest(
+                request_id="r1",
+                prompt_token_ids=ids,
+                sampling=sampling,
+                destination=admitted.destination,
+            )
+        )
         wait_until(lambda: c.stats("prefill").num_running == 1, 10, "the prefill to start")
         c.kill("prefill")
         started = time.monotonic()
@@ -117,9 +138,23 @@ def test_transfer_whose_prefill_dies_half_way_frees_decode_blocks_by_the_deadlin
 def test_mismatched_kv_layout_is_refused_at_registration(fresh):
     c = fresh()
     c.start_worker("decode", "decode")
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--gateway", c.gateway,
-                           *WORKER_ARGS, "--block-size", "32"], env={**os.environ, **UCX_ENV},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "prefill",
+            "--gateway",
+            c.gateway,
+            *WORKER_ARGS,
+            "--block-size",
+            "32",
+        ],
+        env={**os.environ, **UCX_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "gateway refused registration" in proc.stderr and "has KV layout" in proc.stderr
     assert "same model, dtype and block size" in proc.stderr
@@ -137,5 +172,7 @@ def test_colocated_fallback_when_no_prefill_worker(fresh):
     c = fresh()
     c.start_worker("colo", "colocated")
     with Client(c.gateway, timeout=60) as client:
-        r = client.complete("What is the capital of France?", SamplingParams(max_tokens=8, temperature=0))
+        r = client.complete(
+            "What is the capital of France?", SamplingParams(max_tokens=8, temperature=0)
+        )
     assert len(r.token_ids) >= 1

@@ -21,8 +21,15 @@ from pdserve.transfer.plan import plan_nbytes
 from tests.e2e.cluster import start_cluster
 
 SECRET = "zebra quokka marmalade"  # a prompt that must never appear in the logs
-SPAN_NAMES = {"gateway.generate", "router.pick", "decode.admit", "prefill.prefill", "kv.send",
-              "decode.kv_receive", "decode.generate"}
+SPAN_NAMES = {
+    "gateway.generate",
+    "router.pick",
+    "decode.admit",
+    "prefill.prefill",
+    "kv.send",
+    "decode.kv_receive",
+    "decode.generate",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +54,34 @@ def _trace_of(sink: SpanSink, request_id: str, names=SPAN_NAMES) -> dict[str, di
     """The spans of the trace whose gateway span has ``request_id``, once ``names`` all arrived."""
 
     def spans_of_trace(spans):
-        root = [s for s in spans if s["name"] == "gateway.generate" and s["attributes"].get("request_id") == request_id]
+        root = [
+            s
+            for s in spans
+            if s["name"] == "gateway.generate" and s["attributes"].get("request_id") == request_id
+        ]
         return [s for s in spans if root and s["trace_id"] == root[0]["trace_id"]]
 
     sink.wait_for(lambda spans: names <= {s["name"] for s in spans_of_trace(spans)}, timeout=15)
     trace = spans_of_trace(sink.spans())
     by_name = {}
     for s in trace:
-        assert s["name"] not in by_name or s["name"] == "router.pick", f"two {s['name']} spans: {trace}"
+        assert s["name"] not in by_name or s["name"] == "router.pick", (
+            f"two {s['name']} spans: {trace}"
+        )
         by_name[s["name"]] = s
     return by_name
 
 
 def _kv_bytes(model_dir, num_prompt_tokens: int, block_size: int = 16) -> int:
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    layout = KVLayout(model=model_dir.name, dtype=resolve_dtype("auto", "cpu"), block_size=block_size,
-                      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    layout = KVLayout(
+        model=model_dir.name,
+        dtype=resolve_dtype("auto", "cpu"),
+        block_size=block_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
     # Sent direct (transfer/plan.py): the decode worker's fresh blocks are one run, so a plan
     # with one segment, each layer's K and V, and the trailer with the first token.
     num_blocks = -(-num_prompt_tokens // block_size)
@@ -73,8 +92,13 @@ def test_one_request_is_one_trace_across_the_three_services(traced, default_mode
     c, sink, _ = traced
     prompt = list(range(100, 140))  # 40 tokens: 3 blocks
     with Client(c.gateway, timeout=60) as client:
-        deltas = list(client.generate_stream(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                                             request_id="trace-one"))
+        deltas = list(
+            client.generate_stream(
+                prompt,
+                SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                request_id="trace-one",
+            )
+        )
     assert sum(len(d.token_ids) for d in deltas) == 6
     t = _trace_of(sink, "trace-one")
     gw = t["gateway.generate"]
@@ -86,10 +110,17 @@ def test_one_request_is_one_trace_across_the_three_services(traced, default_mode
         assert t[child]["parent_span_id"] == gw["span_id"], child
     assert t["kv.send"]["parent_span_id"] == t["prefill.prefill"]["span_id"]
     assert t["decode.kv_receive"]["parent_span_id"] == t["prefill.prefill"]["span_id"]
-    assert (t["decode.admit"]["service"], t["decode.kv_receive"]["service"]) == ("pdserve-decode",) * 2
+    assert (t["decode.admit"]["service"], t["decode.kv_receive"]["service"]) == (
+        "pdserve-decode",
+    ) * 2
     # Attributes.
     a = gw["attributes"]
-    assert (a["prompt_tokens"], a["completion_tokens"], a["finish_reason"], a["outcome"]) == (40, 6, "length", "ok")
+    assert (a["prompt_tokens"], a["completion_tokens"], a["finish_reason"], a["outcome"]) == (
+        40,
+        6,
+        "length",
+        "ok",
+    )
     assert a["ttft_s"] > 0 and a["tpot_s"] > 0 and gw["status"] != "ERROR"
     pick = t["router.pick"]["attributes"]
     assert pick["policy"] == "least_loaded" and pick["mode"] == "disaggregated"
@@ -106,7 +137,10 @@ def test_one_request_is_one_trace_across_the_three_services(traced, default_mode
     assert 0 <= t["kv.send"]["attributes"]["overlap_fraction"] <= 1
     assert t["kv.send"]["attributes"]["direct"] is True
     d = t["decode.generate"]["attributes"]
-    assert (d["completion_tokens"], d["finish_reason"]) == (5, "length")  # the first came from prefill
+    assert (d["completion_tokens"], d["finish_reason"]) == (
+        5,
+        "length",
+    )  # the first came from prefill
     # No span per token.
     assert len(sink.spans(gw["trace_id"])) == len(SPAN_NAMES)
 
@@ -115,8 +149,12 @@ def test_a_client_traceparent_is_honoured(traced):
     c, sink, _ = traced
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with Client(c.gateway, timeout=60) as client:
-        client.complete([5, 6, 7], SamplingParams(max_tokens=2, temperature=0), request_id="trace-client",
-                        metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),))
+        client.complete(
+            [5, 6, 7],
+            SamplingParams(max_tokens=2, temperature=0),
+            request_id="trace-client",
+            metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),),
+        )
     t = _trace_of(sink, "trace-client")
     assert t["gateway.generate"]["trace_id"] == trace_id
     assert t["gateway.generate"]["parent_span_id"] == parent_id
@@ -131,14 +169,19 @@ def test_a_failed_request_carries_the_error_status(traced):
     t = _trace_of(sink, "trace-bad", names={"gateway.generate"})
     gw = t["gateway.generate"]
     assert gw["status"] == "ERROR"
-    assert "INVALID_ARGUMENT" in gw["status_message"] and "exceeds this model's context" in gw["status_message"]
+    assert (
+        "INVALID_ARGUMENT" in gw["status_message"]
+        and "exceeds this model's context" in gw["status_message"]
+    )
     assert gw["attributes"]["outcome"] == "invalid_argument"
 
 
 def test_logs_are_json_with_the_exported_trace_ids_and_no_prompt(traced):
     c, sink, logs = traced
     with Client(c.gateway, timeout=60) as client:
-        client.complete(SECRET, SamplingParams(max_tokens=3, temperature=0), request_id="trace-logs")
+        client.complete(
+            SECRET, SamplingParams(max_tokens=3, temperature=0), request_id="trace-logs"
+        )
     t = _trace_of(sink, "trace-logs")
     span_ids = {s["span_id"] for s in t.values()}
     trace_id = t["gateway.generate"]["trace_id"]
@@ -148,7 +191,11 @@ def test_logs_are_json_with_the_exported_trace_ids_and_no_prompt(traced):
         assert SECRET not in text and "quokka" not in text, f"prompt text in the {name} log"
         for line in filter(None, text.splitlines()):
             record = json.loads(line)  # every line is one JSON object
-            assert record["service"] == f"pdserve-{name}" and "event" in record and "timestamp" in record
+            assert (
+                record["service"] == f"pdserve-{name}"
+                and "event" in record
+                and "timestamp" in record
+            )
             if record.get("request_id", "").startswith("trace-logs"):
                 assert record["trace_id"] == trace_id, record
                 assert record["span_id"] in span_ids, record
@@ -161,8 +208,11 @@ def _scrape(address: str) -> dict[tuple[str, tuple], float]:
     """Every sample of a /metrics page: (name, sorted labels) -> value."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _delta(before, after, name, **labels) -> float:
@@ -174,10 +224,17 @@ def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
     c, _, _ = traced
     names = ("gateway", "prefill", "decode")
     before = {n: _scrape(c.metrics[n]) for n in names}
-    jobs = [(list(range(10, 10 + n_prompt)), n_out) for n_prompt, n_out in [(5, 1), (17, 4), (33, 7), (64, 2)]]
+    jobs = [
+        (list(range(10, 10 + n_prompt)), n_out)
+        for n_prompt, n_out in [(5, 1), (17, 4), (33, 7), (64, 2)]
+    ]
     with Client(c.gateway, timeout=60) as client:
         for ids, n in jobs:
-            list(client.generate_stream(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
+            list(
+                client.generate_stream(
+                    ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                )
+            )
         with pytest.raises(grpc.RpcError):
             client.complete([], SamplingParams(max_tokens=1))
     c.wait_all_free(timeout=5)

@@ -28,9 +28,22 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
     # A non-interactive shell starts background jobs with SIGINT ignored; so does this.
     up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--kv-cache-bytes", "256M",
-         "--log-format", "json"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--port",
+            "0",
+            "--kv-cache-bytes",
+            "256M",
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
@@ -41,7 +54,9 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
                 break
         assert address, f"pdserve up exited with {up.wait()} before it was up"
         with Client(address, timeout=120) as client:
-            out = client.complete("What is the capital of France?", SamplingParams(max_tokens=8, temperature=0))
+            out = client.complete(
+                "What is the capital of France?", SamplingParams(max_tokens=8, temperature=0)
+            )
         assert len(out.token_ids) > 0
         workers = _children(up.pid)
         assert len(workers) == 3  # gateway, prefill, decode

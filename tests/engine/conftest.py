@@ -7,14 +7,37 @@ import torch
 
 TINY_CONFIGS = {
     # name: (config class name, kwargs)
-    "gqa_untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "mha_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen2_qkv_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "llama_bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True)),
-    "llama3_rope_scaling": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "gqa_untied": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "mha_tied": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "qwen2_qkv_bias": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "llama_bias": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True),
+    ),
+    "llama3_rope_scaling": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
 
 
@@ -23,8 +46,14 @@ def build_tiny_model(path, kind: str, seed: int = 0):
 
     cls_name, extra = TINY_CONFIGS[kind]
     cfg = getattr(transformers, cls_name)(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
         initializer_range=0.2,  # peaky logits: greedy choices are far from ties
         **extra,
     )

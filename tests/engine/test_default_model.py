@@ -26,8 +26,13 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(DEFAULT_MODEL, dtype="float32", threads=2,
-               cache=CacheConfig(kv_cache_bytes=256 << 20), scheduler=SchedulerConfig(max_num_seqs=32))
+    return LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        threads=2,
+        cache=CacheConfig(kv_cache_bytes=256 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +41,36 @@ def hf_model(llm):
 
     from pdserve.model.fetch import resolve_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_model(DEFAULT_MODEL), dtype=torch.float32
+    ).eval()
 
 
 def test_greedy_matches_transformers_on_8_prompts(llm, hf_model):
     prompts = [llm.chat_prompt(q) for q in QUESTIONS]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
-            ref = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert out.token_ids == ref.sequences[0, ids.shape[1]:].tolist(), prompt
+            ref = hf_model.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert out.token_ids == ref.sequences[0, ids.shape[1] :].tolist(), prompt
         for step, (ours, logits) in enumerate(zip(out.logprobs, ref.logits, strict=True)):
             ref_lp = torch.log_softmax(logits[0].float(), -1)
             top_ids = [t for t, _ in ours.top]
             # fp32 on both sides, 30 layers: top-5 logprobs agree to 1e-3 nats.
-            assert torch.allclose(torch.tensor([v for _, v in ours.top]), ref_lp[top_ids], atol=1e-3), step
+            assert torch.allclose(
+                torch.tensor([v for _, v in ours.top]), ref_lp[top_ids], atol=1e-3
+            ), step
     assert "Paris" in outs[0].text
     assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
@@ -68,12 +86,16 @@ def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model):
 
     from pdserve.model.fetch import resolve_model
 
-    llm16 = LLM(DEFAULT_MODEL, dtype="bfloat16", threads=2, cache=CacheConfig(kv_cache_bytes=256 << 20))
-    hf16 = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL),
-                                                             dtype=torch.bfloat16).eval()
+    llm16 = LLM(
+        DEFAULT_MODEL, dtype="bfloat16", threads=2, cache=CacheConfig(kv_cache_bytes=256 << 20)
+    )
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        resolve_model(DEFAULT_MODEL), dtype=torch.bfloat16
+    ).eval()
     prompts = [llm16.chat_prompt(q) for q in QUESTIONS]
-    outs = llm16.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                                  logprobs=5))
+    outs = llm16.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    )
     ours, theirs = [], []
     for out in outs:
         n = len(out.prompt_token_ids)
@@ -93,7 +115,18 @@ def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model):
 
 def test_32_requests_joining_at_different_steps_match_running_alone(llm):
     rng = random.Random(0)
-    vocab_words = ["river", "stone", "light", "music", "engine", "garden", "paper", "cloud", "winter", "signal"]
+    vocab_words = [
+        "river",
+        "stone",
+        "light",
+        "music",
+        "engine",
+        "garden",
+        "paper",
+        "cloud",
+        "winter",
+        "signal",
+    ]
     requests = []
     for _ in range(32):
         text = " ".join(rng.choice(vocab_words) for _ in range(rng.randint(3, 120)))
@@ -106,7 +139,9 @@ def test_32_requests_joining_at_different_steps_match_running_alone(llm):
         while arrivals and requests[arrivals[0]][0] <= step:
             i = arrivals.pop(0)
             _, ids, n = requests[i]
-            engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), request_id=str(i))
+            engine.add_request(
+                ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), request_id=str(i)
+            )
             results[str(i)] = []
         for out in engine.step():
             results[out.request_id] += out.new_token_ids
@@ -122,17 +157,22 @@ def test_stop_strings_and_streaming_text(llm):
     prompt = llm.chat_prompt("Count from 1 to 10, separated by commas.")
     full = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
     assert "4" in full.text
-    stop = full.text[full.text.index("4"):][:2]  # e.g. "4,"
+    stop = full.text[full.text.index("4") :][:2]  # e.g. "4,"
     cut = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
-    streamed = "".join(o.new_text for _, o in llm.generate_stream([prompt], SamplingParams(max_tokens=40, temperature=0)))
+    streamed = "".join(
+        o.new_text
+        for _, o in llm.generate_stream([prompt], SamplingParams(max_tokens=40, temperature=0))
+    )
     assert streamed == full.text
 
 
 def test_seeded_sampling_is_reproducible(llm):
     p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
     a = llm.generate(["Once upon a time"], p)[0]
-    b = llm.generate(["Once upon a time", "Another prompt"], [p, SamplingParams(max_tokens=8, temperature=1.0)])[0]
+    b = llm.generate(
+        ["Once upon a time", "Another prompt"], [p, SamplingParams(max_tokens=8, temperature=1.0)]
+    )[0]
     assert a.token_ids == b.token_ids
 
 
@@ -141,7 +181,9 @@ def test_bad_input_is_a_clear_value_error(llm):
         llm.generate([""], SamplingParams())
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate([[]], SamplingParams())
-    with pytest.raises(ValueError, match=r"prompt has 8000 tokens and max_tokens is 500: 8500 exceeds .* 8192"):
+    with pytest.raises(
+        ValueError, match=r"prompt has 8000 tokens and max_tokens is 500: 8500 exceeds .* 8192"
+    ):
         llm.generate([[1] * 8000], SamplingParams(max_tokens=500))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 10**6]], SamplingParams())

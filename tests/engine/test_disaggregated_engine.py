@@ -13,8 +13,13 @@ PROMPTS = [[1, 5, 9, 200, 33, 7, 8, 9, 10], [1] + list(range(40, 77)), [7] * 20]
 
 
 def engine(folder, kv_bytes=1 << 22, block_size=4):
-    return LLMEngine(EngineConfig(model=str(folder), dtype="float32",
-                                  cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_bytes)))
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            dtype="float32",
+            cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_bytes),
+        )
+    )
 
 
 def run_all(e: LLMEngine) -> dict[str, list[int]]:
@@ -34,7 +39,9 @@ def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
     expected = run_all(whole)
 
     prefill, decode = engine(folder), engine(folder)
-    destinations = {str(i): decode.reserve_request(p, params, str(i)) for i, p in enumerate(PROMPTS)}
+    destinations = {
+        str(i): decode.reserve_request(p, params, str(i)) for i, p in enumerate(PROMPTS)
+    }
     shipped: dict[str, dict[int, tuple]] = {rid: {} for rid in destinations}
 
     def on_layer(batch, layer, k_cache, v_cache):
@@ -42,7 +49,10 @@ def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
         for seq, n in batch.prefills:
             if seq.num_computed_tokens + n == seq.num_prompt_tokens:
                 ids = torch.tensor(seq.block_table[: len(destinations[seq.request_id])])
-                shipped[seq.request_id][layer] = (k_cache.index_select(0, ids), v_cache.index_select(0, ids))
+                shipped[seq.request_id][layer] = (
+                    k_cache.index_select(0, ids),
+                    v_cache.index_select(0, ids),
+                )
 
     first = {}
     for i, p in enumerate(PROMPTS):
@@ -50,7 +60,9 @@ def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
     while prefill.has_unfinished_requests():
         for o in prefill.step(on_layer=on_layer):
             first[o.request_id] = o.new_token_ids[0]
-    assert prefill.num_free_blocks == prefill.allocator.num_blocks  # prefill frees right after shipping
+    assert (
+        prefill.num_free_blocks == prefill.allocator.num_blocks
+    )  # prefill frees right after shipping
 
     got: dict[str, list[int]] = {}
     for rid, layers in shipped.items():
@@ -75,7 +87,9 @@ def test_decode_admission_refuses_at_once_when_full_and_frees_on_abort(tiny_mode
     cfg = ModelConfig.from_file(folder / "config.json")
     e = engine(folder, kv_bytes=6 * bytes_per_block(cfg, 4, torch.float32))  # 6 blocks of 4 tokens
     params = SamplingParams(max_tokens=8, temperature=0)
-    blocks = e.reserve_request(list(range(1, 10)), params, "a")  # 9 + 7 = 16 tokens: 4 blocks, prompt 3
+    blocks = e.reserve_request(
+        list(range(1, 10)), params, "a"
+    )  # 9 + 7 = 16 tokens: 4 blocks, prompt 3
     assert len(blocks) == 3 and e.num_free_blocks == 2
     with pytest.raises(AdmissionError, match="decode worker full: 2 KV blocks free"):
         e.reserve_request(list(range(1, 10)), params, "b")

@@ -24,12 +24,19 @@ pytestmark = pytest.mark.skipif(
 
 def decoding_engine(model: str, num_seqs: int, prompt_len: int, vocab: int):
     """An engine whose ``num_seqs`` sequences have all been prefilled and decode."""
-    llm = LLM(model, dtype="bfloat16", threads=2, cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20))
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        threads=2,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
+    )
     engine = llm.engine
     rng = random.Random(num_seqs)
     for i in range(num_seqs):  # ragged contexts: on and off block boundaries
-        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt_len + 5 * i)],
-                           SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(3, vocab) for _ in range(prompt_len + 5 * i)],
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        )
     for _ in range(3):
         engine.step()
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
@@ -55,9 +62,16 @@ def small_model_head_dim_64(path, bias: bool):
     import transformers
 
     kind = transformers.Qwen2Config if bias else transformers.LlamaConfig
-    cfg = kind(vocab_size=300, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               tie_word_embeddings=False)
+    cfg = kind(
+        vocab_size=300,
+        hidden_size=256,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -81,13 +95,17 @@ def test_default_model_loop_equals_module_path(default_model_dir):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
 def test_small_models_loop_equals_module_path(tmp_path, bias):
-    engine = decoding_engine(small_model_head_dim_64(tmp_path, bias), num_seqs=5, prompt_len=17, vocab=300)
+    engine = decoding_engine(
+        small_model_head_dim_64(tmp_path, bias), num_seqs=5, prompt_len=17, vocab=300
+    )
     with_loop, without = both_paths(engine)
     assert torch.equal(with_loop, without)
 
 
 def test_in_place_weight_change_is_followed(tmp_path):
-    engine = decoding_engine(small_model_head_dim_64(tmp_path, True), num_seqs=3, prompt_len=20, vocab=300)
+    engine = decoding_engine(
+        small_model_head_dim_64(tmp_path, True), num_seqs=3, prompt_len=20, vocab=300
+    )
     before, _ = both_paths(engine)
     model = engine.runner.model
     with torch.no_grad():
@@ -99,7 +117,9 @@ def test_in_place_weight_change_is_followed(tmp_path):
 
 
 def test_bad_block_ids_are_refused_without_a_crash(tmp_path):
-    engine = decoding_engine(small_model_head_dim_64(tmp_path, False), num_seqs=2, prompt_len=20, vocab=300)
+    engine = decoding_engine(
+        small_model_head_dim_64(tmp_path, False), num_seqs=2, prompt_len=20, vocab=300
+    )
     runner = engine.runner
     inputs = runner.prepare(ScheduledBatch(decodes=list(engine.scheduler.running)))
     inputs.meta.decode_block_tables[1, 0] = runner.pool.num_blocks + 5
@@ -108,16 +128,24 @@ def test_bad_block_ids_are_refused_without_a_crash(tmp_path):
 
 
 def test_fp32_model_is_not_covered(tmp_path):
-    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="float32",
-              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
+    llm = LLM(
+        small_model_head_dim_64(tmp_path, False),
+        dtype="float32",
+        cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20),
+    )
     assert compile_layer_loop(llm.engine.runner.model) is None
 
 
 def test_every_kind_of_step_equals_module_path(default_model_dir, monkeypatch):
     """A chunked, continuously batched workload: prefill-only, mixed and decode steps, each step's
     logits through the loop and through the module path."""
-    llm = LLM(str(default_model_dir), dtype="bfloat16", threads=2, cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
-              scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
+    llm = LLM(
+        str(default_model_dir),
+        dtype="bfloat16",
+        threads=2,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48),
+    )
     engine = llm.engine
     model = engine.runner.model
     kinds = set()
@@ -133,8 +161,10 @@ def test_every_kind_of_step_equals_module_path(default_model_dir, monkeypatch):
     monkeypatch.setattr(ModelRunner, "forward_logits", both)
     rng = random.Random(5)
     for i in range(5):
-        engine.add_request([rng.randrange(3, 49000) for _ in range(70 - 11 * i)],
-                           SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(3, 49000) for _ in range(70 - 11 * i)],
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        )
     while engine.has_unfinished_requests():
         engine.step()
     assert kinds == {(True, False), (True, True), (False, True)}
@@ -143,9 +173,15 @@ def test_every_kind_of_step_equals_module_path(default_model_dir, monkeypatch):
 
 def first_prefill(tmp_path):
     """A small model's engine with one 37-token prompt, and the batch that prefills it."""
-    llm = LLM(small_model_head_dim_64(tmp_path, False), dtype="bfloat16", threads=2,
-              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20))
-    llm.engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    llm = LLM(
+        small_model_head_dim_64(tmp_path, False),
+        dtype="bfloat16",
+        threads=2,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20),
+    )
+    llm.engine.add_request(
+        list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    )
     return llm.engine.runner, llm.engine.scheduler.schedule()
 
 
@@ -154,7 +190,10 @@ def test_after_layer_is_called_back_per_layer_and_its_error_stops_the_loop(tmp_p
     assert batch.prefills and runner.model._layer_loop() is not None
     calls = []
     runner.run(batch, on_layer=lambda b, i, k, v: calls.append(i))
-    assert calls == [0, 1]  # the last layer (pruned to the sampled row) runs in Python after the loop
+    assert calls == [
+        0,
+        1,
+    ]  # the last layer (pruned to the sampled row) runs in Python after the loop
 
     class Stop(Exception):
         pass

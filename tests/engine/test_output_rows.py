@@ -18,9 +18,14 @@ from pdserve.sampling_params import SamplingParams
 
 
 def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
-    llm = LLM(str(default_model_dir), dtype="bfloat16", device="cpu", threads=2,
-              cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20),
-              scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40))
+    llm = LLM(
+        str(default_model_dir),
+        dtype="bfloat16",
+        device="cpu",
+        threads=2,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40),
+    )
     engine = llm.engine
     model = engine.runner.model
     seen = {"steps": 0, "mixed": 0, "unfinished_chunk": 0, "no_rows": 0}
@@ -41,15 +46,18 @@ def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
         seen["steps"] += 1
         seen["mixed"] += bool(meta.num_prefill_tokens and meta.decode_block_tables is not None)
         seen["unfinished_chunk"] += inputs.rows.meta.num_prefill_tokens < (
-            0 if meta.prefill_context_lens is None else meta.prefill_context_lens.numel())
+            0 if meta.prefill_context_lens is None else meta.prefill_context_lens.numel()
+        )
         seen["no_rows"] += not inputs.sampling_seqs
         return logits
 
     monkeypatch.setattr(ModelRunner, "forward_logits", checked)
     rng = random.Random(3)
     for i in range(6):  # the first longer than two steps' token budget; on and off block boundaries
-        engine.add_request([rng.randrange(3, 49000) for _ in range(16 + 13 * (5 - i))],
-                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(3, 49000) for _ in range(16 + 13 * (5 - i))],
+            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        )
     while engine.has_unfinished_requests():
         engine.step()
     assert seen["mixed"] and seen["unfinished_chunk"] and seen["no_rows"], seen

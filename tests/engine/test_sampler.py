@@ -35,7 +35,9 @@ def test_top_p_keeps_only_the_nucleus():
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
     logits = torch.randn(3, 100)
     alone, _ = sample(logits[1:2], [row(temperature=1.0, seed=7)])
-    batched, _ = sample(logits, [row(temperature=0.5, seed=1), row(temperature=1.0, seed=7), row(temperature=0)])
+    batched, _ = sample(
+        logits, [row(temperature=0.5, seed=1), row(temperature=1.0, seed=7), row(temperature=0)]
+    )
     assert batched[1] == alone[0]
 
 
@@ -59,17 +61,20 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert lps[0].top[1][1] == pytest.approx(ref[1].item())
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (dict(temperature=-0.1), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(logprobs=21), "logprobs must be None or an integer in"),
-    (dict(stop=[""]), "stop strings must be non-empty"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(logprobs=21), "logprobs must be None or an integer in"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+    ],
+)
 def test_invalid_sampling_values_are_clear_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)

@@ -11,11 +11,15 @@ BS = 4
 
 def make(num_blocks=16, max_num_seqs=8, budget=64):
     alloc = BlockAllocator(num_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), alloc, BS), alloc
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), alloc, BS
+    ), alloc
 
 
 def seq(rid, prompt_len, max_tokens=4, first=0):
-    return Sequence(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    return Sequence(
+        rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens)
+    )
 
 
 def run_step(s: Scheduler, token=1):
@@ -40,7 +44,11 @@ def test_admission_reserves_the_whole_lifetime():
 
 def test_full_cache_keeps_requests_waiting_fcfs_and_frees_everything():
     s, alloc = make(num_blocks=4)
-    a, b, c = seq("a", 8, 5), seq("b", 4, 1), seq("c", 2, 1)  # blocks: a 12 tokens = 3, b 4 = 1, c 1
+    a, b, c = (
+        seq("a", 8, 5),
+        seq("b", 4, 1),
+        seq("c", 2, 1),
+    )  # blocks: a 12 tokens = 3, b 4 = 1, c 1
     for q in (a, b, c):
         s.add(q)
     first = run_step(s)

@@ -8,7 +8,12 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig
 
-PROMPTS = [[1, 5, 9, 200, 33], [1] + list(range(40, 77)), [7] * 20, [1, 300, 301, 302, 17, 18, 19, 20, 21]]
+PROMPTS = [
+    [1, 5, 9, 200, 33],
+    [1] + list(range(40, 77)),
+    [7] * 20,
+    [1, 300, 301, 302, 17, 18, 19, 20, 21],
+]
 NEW_TOKENS = 24
 
 
@@ -16,14 +21,23 @@ def hf_greedy(model, prompt: list[int], n: int):
     """Greedy continuation and each step's log-softmax, from transformers."""
     with torch.no_grad():
         # eos_token_id=None: exactly n tokens, like ignore_eos (min_new_tokens would mask eos in the scores).
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.logits]
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("kind", ["gqa_untied", "mha_tied", "qwen2_qkv_bias", "llama_bias", "llama3_rope_scaling"])
+@pytest.mark.parametrize(
+    "kind", ["gqa_untied", "mha_tied", "qwen2_qkv_bias", "llama_bias", "llama3_rope_scaling"]
+)
 def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, kind):
     folder, hf = tiny_model(kind)
     llm = LLM(str(folder), dtype="float32", cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
@@ -36,7 +50,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, kind):
             top_ids = [t for t, _ in ours.top]
             assert top_ids == ref.topk(5).indices.tolist(), f"step {step}"
             # fp32 everywhere; only summation order differs.
-            assert torch.allclose(torch.tensor([v for _, v in ours.top]), ref[top_ids], atol=1e-4), f"step {step}"
+            assert torch.allclose(
+                torch.tensor([v for _, v in ours.top]), ref[top_ids], atol=1e-4
+            ), f"step {step}"
     assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
 
@@ -44,14 +60,18 @@ def test_long_context_exercises_rope_scaling(tiny_model):
     """Positions beyond original_max_position_embeddings, where llama3 scaling changes frequencies."""
     folder, hf = tiny_model("llama3_rope_scaling")
     prompt = [1] + [(i * 37) % 500 + 3 for i in range(150)]
-    llm = LLM(str(folder), dtype="float32", cache=CacheConfig(block_size=16, kv_cache_bytes=1 << 22))
+    llm = LLM(
+        str(folder), dtype="float32", cache=CacheConfig(block_size=16, kv_cache_bytes=1 << 22)
+    )
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, prompt, 16)[0]
 
 
 def test_bf16_stays_close_to_fp32(tiny_model):
     folder, hf = tiny_model("gqa_untied")
-    llm = LLM(str(folder), dtype="bfloat16", cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+    llm = LLM(
+        str(folder), dtype="bfloat16", cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22)
+    )
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
     _, ref_lps = hf_greedy(hf, PROMPTS[1], 1)
     ours = dict(out.logprobs[0].top)

@@ -25,7 +25,9 @@ def test_the_library_builds_here() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ids", [IDS, list(range(7, 19)), [5], []], ids=["mixed", "one-run", "one", "none"])
+@pytest.mark.parametrize(
+    "ids", [IDS, list(range(7, 19)), [5], []], ids=["mixed", "one-run", "one", "none"]
+)
 def test_gather_and_scatter_match_torch_byte_for_byte(dtype: torch.dtype, ids: list[int]) -> None:
     cache = pool(dtype)
     t = torch.tensor(ids, dtype=torch.long)
@@ -44,7 +46,9 @@ def test_gather_and_scatter_match_torch_byte_for_byte(dtype: torch.dtype, ids: l
     assert torch.equal(other.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (1,), (64, 3)], ids=["30-byte-blocks", "2-byte", "384-byte"])
+@pytest.mark.parametrize(
+    "shape", [(3, 5), (1,), (64, 3)], ids=["30-byte-blocks", "2-byte", "384-byte"]
+)
 def test_blocks_of_any_size_and_alignment_scatter_exactly(shape: tuple[int, ...]) -> None:
     """The streaming stores cover whole aligned 64-byte lines; heads and tails of runs that are
     not whole lines (and runs shorter than a line) are copied plainly, and nothing around them
@@ -58,7 +62,9 @@ def test_blocks_of_any_size_and_alignment_scatter_exactly(shape: tuple[int, ...]
         want = cache.clone()
         want[t] = buf
         assert torch.equal(other.view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(block_copy.gather_blocks(other, t).view(torch.uint8), buf.view(torch.uint8))
+        assert torch.equal(
+            block_copy.gather_blocks(other, t).view(torch.uint8), buf.view(torch.uint8)
+        )
 
 
 def test_ops_exports_them_with_the_reference_signatures() -> None:
@@ -72,7 +78,9 @@ def test_ids_out_of_range_raise_and_write_nothing(bad: int) -> None:
     cache = pool(torch.bfloat16)
     before = cache.clone()
     with pytest.raises(IndexError, match=r"1 block ids outside \[0, 20\)"):
-        block_copy.scatter_blocks(cache, torch.tensor([3, bad, 4]), torch.zeros(3, 16, 3, 64).to(torch.bfloat16))
+        block_copy.scatter_blocks(
+            cache, torch.tensor([3, bad, 4]), torch.zeros(3, 16, 3, 64).to(torch.bfloat16)
+        )
     assert torch.equal(cache, before)
     out = torch.zeros(3, 16, 3, 64).to(torch.bfloat16)
     with pytest.raises(IndexError):

@@ -26,10 +26,14 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 def no_reference(monkeypatch):
     """Fail if ops falls back to the reference: proves the C kernel produced the result."""
     for name in ("rms_norm", "rope_write_kv", "silu_mul", "argmax"):
-        monkeypatch.setattr(fused.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back"))
+        monkeypatch.setattr(
+            fused.reference, name, lambda *a, name=name, **k: pytest.fail(f"{name} fell back")
+        )
 
 
-def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, share: float, ulps: int = 1) -> None:
+def assert_within_ulps(
+    actual: torch.Tensor, expected: torch.Tensor, share: float, ulps: int = 1
+) -> None:
     """Equal, except at most ``share`` of the elements up to ``ulps`` units in the last place apart."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     if actual.dtype == torch.bfloat16:
@@ -62,7 +66,9 @@ def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
+)
 def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
     num_heads, num_kv_heads, head_dim = heads
     tokens, num_blocks, block_size = 37, 8, 16
@@ -70,16 +76,22 @@ def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, generator=gen)
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(
+        head_dim // 2, generator=gen
+    )
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
-    want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots)
+    want_q = reference.rope_write_kv(
+        qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots
+    )
     no_reference(monkeypatch)
     got_q = fused.rope_write_kv(qkv, positions, cos, sin, num_heads, caches[2], caches[3], slots)
     assert torch.equal(got_q, want_q)
-    assert torch.equal(caches[2].nan_to_num(7.0), caches[0].nan_to_num(7.0))  # written slots, and only them
+    assert torch.equal(
+        caches[2].nan_to_num(7.0), caches[0].nan_to_num(7.0)
+    )  # written slots, and only them
     assert torch.equal(caches[3].nan_to_num(7.0), caches[1].nan_to_num(7.0))
 
 
@@ -93,7 +105,10 @@ def test_rope_write_kv_refuses_out_of_range_tokens(bad):
         slots[1] = 8  # 2 blocks x 4 slots
     else:
         positions[2] = 10
-    with pytest.raises(ValueError, match="1 tokens have a position outside \\[0, 10\\) or a slot outside \\[0, 8\\)"):
+    with pytest.raises(
+        ValueError,
+        match="1 tokens have a position outside \\[0, 10\\) or a slot outside \\[0, 8\\)",
+    ):
         fused.rope_write_kv(qkv, positions, cos, sin, 3, k_cache, v_cache, slots)
 
 

@@ -120,8 +120,11 @@ def test_backends_share_the_reference_signatures(name):
 
 
 @needs_compiler
-@pytest.mark.parametrize("heads", [(9, 3, 64), (2, 2, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
-                         ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize(
+    "heads",
+    [(9, 3, 64), (2, 2, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
+    ids=lambda h: "q{}-kv{}-d{}".format(*h),
+)
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, close):
     """The AVX512-BF16 path: 16-token tiles that span blocks (block_size < 16) or split them,
@@ -140,8 +143,11 @@ def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, clos
 
 
 @needs_compiler
-@pytest.mark.parametrize("heads", [(9, 3, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
-                         ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize(
+    "heads",
+    [(9, 3, 64), (12, 3, 64), (16, 2, 128), (4, 4, 128)],
+    ids=lambda h: "q{}-kv{}-d{}".format(*h),
+)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, close):
     """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), tiles
@@ -150,17 +156,41 @@ def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, clo
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here: bf16 prefill attention takes SDPA")
     num_heads, num_kv_heads, head_dim = heads
-    seqs = [(1, 0), (3, 0), (17, 0), (70, 0), (5, 16), (33, 67), (1, 130), (64, 64),  # (new, prefix)
-            (530, 0), (21, 600)]
+    seqs = [
+        (1, 0),
+        (3, 0),
+        (17, 0),
+        (70, 0),
+        (5, 16),
+        (33, 67),
+        (1, 130),
+        (64, 64),  # (new, prefix)
+        (530, 0),
+        (21, 600),
+    ]
     q_lens = [n for n, _ in seqs]
-    case = paged_case([n + p for n, p in seqs], num_kv_heads, head_dim, block_size,
-                      torch.bfloat16, seed=block_size)
+    case = paged_case(
+        [n + p for n, p in seqs],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        seed=block_size,
+    )
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(sum(q_lens), width).to(torch.bfloat16)
     q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)  # token stride = width
     query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     scale = head_dim**-0.5
-    args = (q, case.k_cache, case.v_cache, case.block_tables, query_start_loc, case.context_lens, scale)
+    args = (
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        query_start_loc,
+        case.context_lens,
+        scale,
+    )
     out = ops.prefill_attention(*args)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     close(out, dense(q, case.seq_k, case.seq_v, q_lens, scale), torch.bfloat16)
@@ -175,8 +205,9 @@ def test_native_prefill_rejects_bad_context(paged_case):
     starts = torch.tensor([0, 20], dtype=torch.int32)
     case.context_lens[0] = 10  # fewer positions than new tokens
     with pytest.raises(ValueError, match="context_len below their new tokens"):
-        ops.prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts,
-                              case.context_lens, 0.125)
+        ops.prefill_attention(
+            q, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125
+        )
 
 
 @needs_compiler
@@ -194,7 +225,9 @@ def test_portable_bf16_paths_without_avx512_bf16(tmp_path, monkeypatch, paged_ca
 
     case = paged_case([1, 17, 100], 3, 64, 16, bf16)
     q = torch.randn(3, 9, 64).to(bf16)
-    out = ops.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    out = ops.paged_decode_attention(
+        q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+    )
     close(out, dense(q, case.seq_k, case.seq_v, [1] * 3, 0.125), bf16)
 
     x, residual = torch.randn(5, 576).to(bf16), torch.randn(5, 576).to(bf16)
@@ -204,13 +237,19 @@ def test_portable_bf16_paths_without_avx512_bf16(tmp_path, monkeypatch, paged_ca
     assert torch.equal(got_residual, want_residual)
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
     gate_up = torch.randn(5, 2 * 1536).mul(4).to(bf16)
-    torch.testing.assert_close(fused.silu_mul(gate_up).float(), reference.silu_mul(gate_up).float(), atol=1e-30, rtol=2**-8)
+    torch.testing.assert_close(
+        fused.silu_mul(gate_up).float(), reference.silu_mul(gate_up).float(), atol=1e-30, rtol=2**-8
+    )
     qkv = torch.randn(4, 15 * 64).to(bf16)
     cos, sin = torch.randn(64, 64), torch.randn(64, 64)
     positions, slots = torch.tensor([3, 9, 27, 63]), torch.tensor([0, 5, 6, 31])
     caches = [torch.zeros(2, 16, 3, 64, dtype=bf16) for _ in range(4)]
-    want_q = reference.rope_write_kv(qkv.clone(), positions, cos, sin, 9, caches[0], caches[1], slots)
-    assert torch.equal(fused.rope_write_kv(qkv, positions, cos, sin, 9, caches[2], caches[3], slots), want_q)
+    want_q = reference.rope_write_kv(
+        qkv.clone(), positions, cos, sin, 9, caches[0], caches[1], slots
+    )
+    assert torch.equal(
+        fused.rope_write_kv(qkv, positions, cos, sin, 9, caches[2], caches[3], slots), want_q
+    )
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 

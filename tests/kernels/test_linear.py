@@ -32,7 +32,9 @@ SHAPES = [  # (K, N)
     pytest.param((8, 4), id="K8-N4"),  # no tails
     pytest.param((3, 7), id="K3-N7"),  # K below one step
     pytest.param((576, 962), id="K576-N962"),  # several chunks per thread, N % 4 == 2
-    pytest.param((96, 577), id="K96-N577"),  # packed: 10 blocks, the last of 1 output; threads share blocks by rows
+    pytest.param(
+        (96, 577), id="K96-N577"
+    ),  # packed: 10 blocks, the last of 1 output; threads share blocks by rows
 ]
 
 

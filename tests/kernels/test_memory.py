@@ -33,7 +33,9 @@ def test_small_buffer_is_plain():
     assert t[99].item() == 99
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.skipif(
+    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here"
+)
 def test_kernel_takes_the_advice():
     t = memory.empty(8 * memory.HUGE_PAGE, torch.uint8)
     assert memory.advise_huge_pages(t)

@@ -42,7 +42,9 @@ def layer_kv(
     return k, v
 
 
-def block_ids(pool_blocks: int, num_blocks: int, seed: int, run: bool | int = False) -> torch.Tensor:
+def block_ids(
+    pool_blocks: int, num_blocks: int, seed: int, run: bool | int = False
+) -> torch.Tensor:
     """Distinct block ids for one side of a transfer (different seeds: different ids); with
     ``run``, consecutive ones, as a fresh allocator hands them out; with ``run`` a number n > 1,
     n runs of consecutive ids, the later runs first (so that none joins the next)."""
@@ -52,7 +54,9 @@ def block_ids(pool_blocks: int, num_blocks: int, seed: int, run: bool | int = Fa
         gap = (pool_blocks - num_blocks) // run
         assert gap >= 1, "no room between the runs"
         starts = [sum(sizes[:i]) + i * gap for i in range(run)]
-        return torch.cat([torch.arange(a, a + n) for a, n in reversed(list(zip(starts, sizes, strict=True)))])
+        return torch.cat(
+            [torch.arange(a, a + n) for a, n in reversed(list(zip(starts, sizes, strict=True)))]
+        )
     if run:
         start = int(torch.randint(0, pool_blocks - num_blocks + 1, (), generator=gen))
         return torch.arange(start, start + num_blocks)
@@ -127,8 +131,13 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
             conn.send(msg)
 
     def run(
-        transport: KVTransport, tid: int, num_blocks: int, seed: int, timeout: float,
-        run: bool | int = False, land: bool = True,
+        transport: KVTransport,
+        tid: int,
+        num_blocks: int,
+        seed: int,
+        timeout: float,
+        run: bool | int = False,
+        land: bool = True,
     ) -> None:
         pools = Pools(layout, pool_blocks)
         ids = block_ids(pool_blocks, num_blocks, seed + 7919, run)
@@ -141,8 +150,16 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
         except TransferError as exc:
             reply(("failed", tid, type(exc).__name__, str(exc)))
         else:
-            reply(("done", tid, pools.mismatches(ids, seed), stats.nbytes, ids.tolist(),
-                   transfer.token_id))
+            reply(
+                (
+                    "done",
+                    tid,
+                    pools.mismatches(ids, seed),
+                    stats.nbytes,
+                    ids.tolist(),
+                    transfer.token_id,
+                )
+            )
 
     try:
         with create_transport("ucx", layout) as transport:

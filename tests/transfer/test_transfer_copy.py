@@ -95,6 +95,8 @@ def test_pools_the_c_copy_does_not_cover_use_index_copy() -> None:
     assert torch.equal(big[dst, 0], k) and torch.equal(big[dst, 1], v)
 
     calls = []
-    custom = scatter_into(k_pools, v_pools, dst, scatter=lambda pool, ids, buf: calls.append(len(ids)))
+    custom = scatter_into(
+        k_pools, v_pools, dst, scatter=lambda pool, ids, buf: calls.append(len(ids))
+    )
     custom(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
     assert calls == [32, 32]

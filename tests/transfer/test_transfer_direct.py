@@ -41,8 +41,12 @@ def test_segments_are_the_runs_of_the_destination_ids() -> None:
 
 def test_every_message_of_a_transfer_has_its_own_sub_tag() -> None:
     layers, segments = 30, 3
-    subs = {sub_tag(layers, segments, layer, kv, seg)
-            for layer in range(layers) for kv in (0, 1) for seg in range(segments)}
+    subs = {
+        sub_tag(layers, segments, layer, kv, seg)
+        for layer in range(layers)
+        for kv in (0, 1)
+        for seg in range(segments)
+    }
     assert len(subs) == layers * 2 * segments
     assert min(subs) >= layers  # framed layer messages use 0 .. layers - 1
     assert max(subs) < TRAILER_SUB and fits_tags(layers, segments)
@@ -82,16 +86,28 @@ def receiver() -> Iterator[RemoteReceiver]:
     remote.close()
 
 
-def send_pools(sender: UCXTransport, receiver: RemoteReceiver, tid: int, src_run: bool | int,
-               dst_run: bool | int, layers: range = range(30), timeout: float = 20.0):  # noqa: ANN201
+def send_pools(
+    sender: UCXTransport,
+    receiver: RemoteReceiver,
+    tid: int,
+    src_run: bool | int,
+    dst_run: bool | int,
+    layers: range = range(30),
+    timeout: float = 20.0,
+):  # noqa: ANN201
     """Send transfer ``tid`` as the prefill worker does: each layer from the pools, then the
     token; the receiver's ids are told to the sender (``dst_block_ids``)."""
     pools = Pools(sender.layout, POOL_BLOCKS)
     src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, src_run)
     pools.fill(src, seed=tid)
     dst = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid + 7919, dst_run)  # what the receiver reserves
-    tx = sender.start_send(sender.connect(receiver.address), tid, NUM_BLOCKS, timeout=timeout,
-                           dst_block_ids=dst.tolist())
+    tx = sender.start_send(
+        sender.connect(receiver.address),
+        tid,
+        NUM_BLOCKS,
+        timeout=timeout,
+        dst_block_ids=dst.tolist(),
+    )
     for layer in layers:
         tx.send_pool_layer(layer, pools.k[layer], pools.v[layer], src)
     if layers[-1] == 29:
@@ -109,7 +125,11 @@ def direct_nbytes(layout, segments: int) -> int:  # noqa: ANN001
     ids=["one-run-each", "random-src-one-run-dst", "two-run-dst", "random-src-two-run-dst"],
 )
 def test_direct_transfer_lands_byte_exact_in_the_reserved_blocks(
-    sender: UCXTransport, receiver: RemoteReceiver, src_run: bool, dst_run: bool | int, segments: int
+    sender: UCXTransport,
+    receiver: RemoteReceiver,
+    src_run: bool,
+    dst_run: bool | int,
+    segments: int,
 ) -> None:
     """Sent direct: the byte count is the plan's, payload and trailer (no framed headers), and
     the receiver's pools hold exactly the sender's blocks, nothing anywhere else."""
@@ -158,8 +178,9 @@ def test_sender_with_other_destination_ids_fails_the_transfer(
     pools = Pools(sender.layout, POOL_BLOCKS)
     src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
     wrong = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, 2)
-    tx = sender.start_send(sender.connect(receiver.address), tid, NUM_BLOCKS, timeout=5.0,
-                           dst_block_ids=wrong.tolist())
+    tx = sender.start_send(
+        sender.connect(receiver.address), tid, NUM_BLOCKS, timeout=5.0, dst_block_ids=wrong.tolist()
+    )
     tx.send_pool_layer(0, pools.k[0], pools.v[0], src)
     kind, _, error, message = receiver.result(tid)
     assert (kind, error) == ("failed", "HeaderMismatchError") and "runs of the reserved" in message
@@ -179,8 +200,13 @@ def test_incomplete_direct_transfer_fails_at_its_deadline_then_settles() -> None
         src_pools = Pools(layout, POOL_BLOCKS)
         src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
         src_pools.fill(src, seed=tid)
-        tx = sender.start_send(sender.connect(receiver.address()), tid, NUM_BLOCKS, timeout=5.0,
-                               dst_block_ids=dst.tolist())
+        tx = sender.start_send(
+            sender.connect(receiver.address()),
+            tid,
+            NUM_BLOCKS,
+            timeout=5.0,
+            dst_block_ids=dst.tolist(),
+        )
         for layer in range(10):
             tx.send_pool_layer(layer, src_pools.k[layer], src_pools.v[layer], src)
         with pytest.raises(TransferTimeoutError, match="10/30 layers arrived"):
