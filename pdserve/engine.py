@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.kv_cache.allocator import BlockAllocator
+from pdserve.kv_connector import HeldBlocks, KVLanding, KVSender, OutgoingKV, PrefillConnector
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
 from pdserve.outputs import RequestOutput, TokenLogprobs
-from pdserve.runner import LayerHook, ModelRunner
+from pdserve.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import Scheduler
+from pdserve.scheduler import Scheduler, blocks_needed
 from pdserve.sequence import Sequence
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a worker reports about its engine (Stats RPC, metrics, tests' leak checks)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int  # queued, or (decode) reserved and waiting for its KV
+    outstanding_tokens: int  # prompt + max_tokens not yet generated, of every request here
 
 
 class AdmissionError(RuntimeError):
@@ -26,10 +40,13 @@ class AdmissionError(RuntimeError):
 class LLMEngine:
     """Serves offline (``add_request`` + ``step``) and as either half of a disaggregated pair:
 
-    - prefill worker: ``add_request`` with max_tokens=1 and ``step(on_layer=...)`` to ship each
-      layer's KV as soon as the forward has written it;
-    - decode worker: ``reserve_request`` (blocks for the whole request), then, once the prompt's
-      KV has been written into those blocks, ``activate_request`` with the first token.
+    - prefill worker: ``add_prefill`` with the request's ``KVSender``; ``step`` ships each layer
+      of a completed prompt as soon as the forward has written it, then the first token;
+      ``release_held`` once a transfer that read the pools is over;
+    - decode worker: ``reserve_request`` (blocks for the whole request) returns where the prompt's
+      KV must land; once it has, ``activate_request`` with the first token.
+
+    Both halves go through the KV connector (kv_connector.py): services never touch blocks.
 
     ``detokenize=False`` leaves text to the caller (the gateway detokenizes and applies stop strings).
     """
@@ -65,6 +82,8 @@ class LLMEngine:
             config.cache.block_size,
             config.cache.enable_prefix_caching,
         )
+        self.kv_out = PrefillConnector(self.model_config.num_layers)
+        self._held: dict[str, HeldBlocks] = {}
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
@@ -106,10 +125,36 @@ class LLMEngine:
         self._texts[request_id] = TextStream(self.tokenizer, ids, params.stop)
         return request_id
 
+    def add_prefill(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        sender: KVSender,
+    ) -> OutgoingKV:
+        """Prefill side: compute the prompt and sample its first token; each layer's KV leaves
+        through ``sender`` as soon as the forward has written it, the token after sampling. The
+        returned record tells the caller, once the request's output arrived, how it went."""
+        self.validate(prompt_token_ids, params)  # the whole request must fit where it decodes
+        needed = blocks_needed(len(prompt_token_ids), self.scheduler.block_size)
+        if sender.num_blocks != needed:
+            raise ValueError(
+                f"destination has {sender.num_blocks} blocks; the prompt fills {needed}"
+            )
+        one = dataclasses.replace(params, max_tokens=1, stop=())
+        self.add_request(prompt_token_ids, one, request_id)
+        return self.kv_out.add(request_id, sender)
+
+    def release_held(self, request_id: str) -> None:
+        """The transfer that read a finished request's blocks is over: free them (idempotent)."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.allocator.free(held.block_ids)
+
     def reserve_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> list[int]:
-        """Decode side: reserve KV for the whole request; returns the blocks the prompt's KV goes to.
+    ) -> KVLanding:
+        """Decode side: reserve KV for the whole request; returns where the prompt's KV lands.
 
         Raises AdmissionError at once when the blocks or a batch seat are not free.
         """
@@ -124,8 +169,14 @@ class LLMEngine:
             )
         self._seqs[request_id] = seq
         self._texts[request_id] = TextStream(self.tokenizer, seq.prompt_token_ids, params.stop)
-        num_prompt_blocks = -(-seq.num_prompt_tokens // self.scheduler.block_size)
-        return seq.block_table[:num_prompt_blocks]
+        num_prompt_blocks = blocks_needed(seq.num_prompt_tokens, self.scheduler.block_size)
+        pools = self.runner.pool.kv_caches
+        return KVLanding(
+            request_id,
+            tuple(seq.block_table[:num_prompt_blocks]),
+            tuple(k for k, _ in pools),
+            tuple(v for _, v in pools),
+        )
 
     def activate_request(
         self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
@@ -139,19 +190,22 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         self._texts.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
-        """One forward of the next batch. ``on_layer(batch, layer, k_cache, v_cache)`` runs after
-        each layer has written its KV (the prefill worker ships that layer while the next computes)."""
+    def step(self) -> list[RequestOutput]:
+        """One forward of the next batch: schedule -> run -> postprocess. Prompts with a KV sender
+        ship each layer while the next computes (``kv_out.on_layer``), their token after sampling."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        on_layer = self.kv_out.on_layer if self.kv_out else None
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
         self.scheduler.postprocess(batch)
+        if self.kv_out:
+            self.kv_out.end_step(seqs, tokens)
         return [
             self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
         ]
@@ -164,7 +218,7 @@ class LLMEngine:
         if reason is None and (reason := seq.check_token_stop()) is not None:
             text.flush()  # not cut by a stop string: emit any held-back partial character
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
             del self._seqs[seq.request_id], self._texts[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
@@ -175,6 +229,30 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Free a request's blocks, except those its outgoing transfer still reads (held)."""
+        held = self.kv_out.request_finished(seq)
+        if held is not None:
+            self.allocator.retain(held.block_ids)
+            self._held[held.request_id] = held
+        self.scheduler.finish(seq, reason)
+
+    def stats(self) -> EngineStats:
+        """Safe to read from another thread while the engine runs: each number is a plain read,
+        consistent enough for load reports; tests read it once the worker is idle."""
+        s = self.scheduler
+        outstanding = sum(
+            q.num_prompt_tokens + q.params.max_tokens - len(q.output_token_ids)
+            for q in [*s.running, *s.waiting, *s.awaiting_kv]
+        )
+        return EngineStats(
+            num_total_blocks=self.allocator.num_blocks,
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(s.awaiting_kv),
+            outstanding_tokens=outstanding,
         )
 
     @property

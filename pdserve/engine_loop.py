@@ -23,7 +23,6 @@ import torch
 
 from pdserve.engine import LLMEngine
 from pdserve.outputs import RequestOutput
-from pdserve.runner import LayerHook
 
 T = TypeVar("T")
 
@@ -32,16 +31,10 @@ class EngineLoop:
     def __init__(
         self,
         engine: LLMEngine,
-        on_layer: LayerHook | None = None,
-        after_step: Callable[[list[RequestOutput]], None] | None = None,
         step_seconds: Callable[[float], None] | None = None,
     ) -> None:
-        """``on_layer`` is passed to every step; ``after_step(outputs)`` runs in the engine thread
-        after each step, before outputs are delivered (the prefill worker sends its final KV there);
-        ``step_seconds(s)`` is told how long each step took (a metric)."""
+        """``step_seconds(s)`` is told how long each step took (a metric)."""
         self.engine = engine
-        self._on_layer = on_layer
-        self._after_step = after_step
         self._step_seconds = step_seconds
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -116,12 +109,10 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests():
                 continue
             started = time.perf_counter()
-            outputs = self.engine.step(self._on_layer)
+            outputs = self.engine.step()
             if self._step_seconds is not None:
                 self._step_seconds(time.perf_counter() - started)
             self.num_steps += 1
-            if self._after_step is not None:
-                self._after_step(outputs)
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
 

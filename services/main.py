@@ -154,12 +154,11 @@ async def serve_worker(opts: WorkerOptions) -> None:
 
         transport = create_transport(opts.transport, layout)
     metrics = WorkerMetrics()
-    sched = engine.scheduler
     metrics.watch(
-        lambda: len(sched.running),
-        lambda: len(sched.waiting) + len(sched.awaiting_kv),
-        lambda: engine.allocator.num_free_blocks,
-        engine.allocator.num_blocks,
+        lambda: engine.stats().num_running,
+        lambda: engine.stats().num_waiting,
+        lambda: engine.num_free_blocks,
+        engine.stats().num_total_blocks,
     )
     if opts.role == "prefill":
         worker = PrefillWorker(engine, transport, metrics)

@@ -140,14 +140,12 @@ class DecodeWorker:
     ) -> Admission:
         if self.transport is None:
             raise ValueError("this worker has no KV transport; send prefill_locally requests")
-        blocks = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
-        k_pools = [k for k, _ in self.engine.runner.pool.kv_caches]
-        v_pools = [v for _, v in self.engine.runner.pool.kv_caches]
+        landing = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
+        blocks = landing.block_ids
         transfer_id = next(self._transfer_ids)
         try:
-            recv = self.transport.expect(
-                transfer_id, len(blocks), scatter_into(k_pools, v_pools, blocks), kv_timeout_s
-            )
+            dest = scatter_into(landing.k_pools, landing.v_pools, blocks)
+            recv = self.transport.expect(transfer_id, len(blocks), dest, kv_timeout_s)
         except BaseException:
             await self.loop.call(lambda e: e.abort_request(request_id))
             raise
@@ -155,7 +153,7 @@ class DecodeWorker:
         return Admission(
             request_id,
             transfer_id,
-            blocks,
+            list(blocks),
             deadline_ms,
             recv,
             parent=parent,

@@ -30,6 +30,26 @@ def run_all(e: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+class CopySender:
+    """A KVSender test double: keeps a copy of each layer's blocks, as a framed transfer sends
+    them (``direct``: claims to read the pools after the call, so the engine must hold them)."""
+
+    def __init__(self, num_blocks: int, direct: bool = False, fail_at: int | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.direct = direct
+        self.fail_at = fail_at
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.token: int | None = None
+
+    def send_pool_layer(self, layer, k_pool, v_pool, block_ids) -> None:
+        if layer == self.fail_at:
+            raise RuntimeError(f"send of layer {layer} failed")
+        self.layers[layer] = (k_pool.index_select(0, block_ids), v_pool.index_select(0, block_ids))
+
+    def finish(self, token_id: int = -1) -> None:
+        self.token = token_id
+
+
 def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
     folder, _ = tiny_model("gqa_untied")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -39,44 +59,76 @@ def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
     expected = run_all(whole)
 
     prefill, decode = engine(folder), engine(folder)
-    destinations = {
-        str(i): decode.reserve_request(p, params, str(i)) for i, p in enumerate(PROMPTS)
-    }
-    shipped: dict[str, dict[int, tuple]] = {rid: {} for rid in destinations}
-
-    def on_layer(batch, layer, k_cache, v_cache):
-        # What the prefill worker sends: for each prompt completed by this forward, its blocks of this layer.
-        for seq, n in batch.prefills:
-            if seq.num_computed_tokens + n == seq.num_prompt_tokens:
-                ids = torch.tensor(seq.block_table[: len(destinations[seq.request_id])])
-                shipped[seq.request_id][layer] = (
-                    k_cache.index_select(0, ids),
-                    v_cache.index_select(0, ids),
-                )
-
-    first = {}
+    landings = {str(i): decode.reserve_request(p, params, str(i)) for i, p in enumerate(PROMPTS)}
+    senders = {rid: CopySender(len(landing.block_ids)) for rid, landing in landings.items()}
     for i, p in enumerate(PROMPTS):
-        prefill.add_request(p, SamplingParams(max_tokens=1, temperature=0), request_id=str(i))
+        prefill.add_prefill(p, params, str(i), senders[str(i)])
+    first = {}
     while prefill.has_unfinished_requests():
-        for o in prefill.step(on_layer=on_layer):
+        for o in prefill.step():
             first[o.request_id] = o.new_token_ids[0]
-    assert (
-        prefill.num_free_blocks == prefill.allocator.num_blocks
-    )  # prefill frees right after shipping
+    assert prefill.num_free_blocks == prefill.allocator.num_blocks  # nothing held: not direct
 
     got: dict[str, list[int]] = {}
-    for rid, layers in shipped.items():
-        assert sorted(layers) == list(range(decode.model_config.num_layers))
-        ids = torch.tensor(destinations[rid])
-        for layer, (k, v) in layers.items():
-            k_cache, v_cache = decode.runner.pool.kv_caches[layer]
-            k_cache.index_copy_(0, ids, k)
-            v_cache.index_copy_(0, ids, v)
+    for rid, sender in senders.items():
+        # every layer left, then the first token with finish()
+        assert sorted(sender.layers) == list(range(decode.model_config.num_layers))
+        assert sender.token == first[rid]
+        landing = landings[rid]
+        ids = torch.tensor(landing.block_ids)
+        for layer, (k, v) in sender.layers.items():
+            landing.k_pools[layer].index_copy_(0, ids, k)
+            landing.v_pools[layer].index_copy_(0, ids, v)
         got[rid] = decode.activate_request(rid, first[rid]).new_token_ids
     for rid, toks in run_all(decode).items():
         got[rid] += toks
     assert got == expected
     assert decode.num_free_blocks == decode.allocator.num_blocks
+
+
+def test_blocks_a_direct_sender_reads_stay_held_until_released(tiny_model):
+    folder, _ = tiny_model("gqa_untied")
+    e = engine(folder)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt = PROMPTS[1]  # 38 tokens: 10 blocks of 4
+    sender = CopySender(10, direct=True)
+    record = e.add_prefill(prompt, params, "a", sender)
+    while e.has_unfinished_requests():
+        e.step()
+    assert record.error is None and sender.token is not None and record.first_send
+    assert e.num_free_blocks == e.allocator.num_blocks - 10  # finished, but its blocks are read
+    e.release_held("a")
+    e.release_held("a")  # idempotent
+    assert e.num_free_blocks == e.allocator.num_blocks
+
+    # aborted after its first step: held just the same
+    sender = CopySender(10, direct=True)
+    e.add_prefill(prompt, params, "b", sender)
+    e.step()
+    e.abort_request("b")
+    assert e.num_free_blocks == e.allocator.num_blocks - 10
+    e.release_held("b")
+    assert e.num_free_blocks == e.allocator.num_blocks
+
+
+def test_a_failing_sender_is_reported_and_frees_everything(tiny_model):
+    folder, _ = tiny_model("gqa_untied")
+    e = engine(folder)
+    sender = CopySender(3, direct=False, fail_at=1)
+    record = e.add_prefill(PROMPTS[0], SamplingParams(max_tokens=4), "a", sender)
+    while e.has_unfinished_requests():
+        e.step()
+    assert isinstance(record.error, RuntimeError) and "layer 1" in str(record.error)
+    assert sorted(sender.layers) == [0] and sender.token is None  # nothing after the failure
+    assert e.num_free_blocks == e.allocator.num_blocks
+
+
+def test_a_destination_of_the_wrong_size_is_refused(tiny_model):
+    folder, _ = tiny_model("gqa_untied")
+    e = engine(folder)
+    with pytest.raises(ValueError, match="destination has 2 blocks; the prompt fills 3"):
+        e.add_prefill(PROMPTS[0], SamplingParams(max_tokens=4), "a", CopySender(2))
+    assert not e.has_unfinished_requests() and e.num_free_blocks == e.allocator.num_blocks
 
 
 def test_decode_admission_refuses_at_once_when_full_and_frees_on_abort(tiny_model):
@@ -87,10 +139,9 @@ def test_decode_admission_refuses_at_once_when_full_and_frees_on_abort(tiny_mode
     cfg = ModelConfig.from_file(folder / "config.json")
     e = engine(folder, kv_bytes=6 * bytes_per_block(cfg, 4, torch.float32))  # 6 blocks of 4 tokens
     params = SamplingParams(max_tokens=8, temperature=0)
-    blocks = e.reserve_request(
-        list(range(1, 10)), params, "a"
-    )  # 9 + 7 = 16 tokens: 4 blocks, prompt 3
-    assert len(blocks) == 3 and e.num_free_blocks == 2
+    # 9 + 7 = 16 tokens: 4 blocks reserved, the prompt's 3 to land in
+    landing = e.reserve_request(list(range(1, 10)), params, "a")
+    assert len(landing.block_ids) == 3 and e.num_free_blocks == 2
     with pytest.raises(AdmissionError, match="decode worker full: 2 KV blocks free"):
         e.reserve_request(list(range(1, 10)), params, "b")
     e.abort_request("a")
