@@ -30,6 +30,16 @@ def engine_config(args) -> EngineConfig:
     )
 
 
+def gateway_config(args) -> GatewayConfig:
+    return GatewayConfig(
+        policy=args.policy,
+        lease_s=args.lease,
+        kv_timeout_s=args.kv_timeout,
+        max_attempts=args.max_attempts,
+        queue_timeout_s=args.queue_timeout,
+    )
+
+
 def telemetry_config(args, service: str):
     from pdserve.telemetry import TelemetryConfig
 
@@ -72,13 +82,7 @@ def cmd_gateway(args) -> int:
                 model=args.model,
                 host=args.host,
                 port=args.port,
-                config=GatewayConfig(
-                    policy=args.policy,
-                    lease_s=args.lease,
-                    kv_timeout_s=args.kv_timeout,
-                    max_attempts=args.max_attempts,
-                    queue_timeout_s=args.queue_timeout,
-                ),
+                config=gateway_config(args),
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, "gateway"),
             )
