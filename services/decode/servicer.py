@@ -34,6 +34,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             async for out in self.worker.generate_local(request.request_id, ids, params, parent):
                 yield token_chunk(out)
             return
+        # kv_timeout_ms unset (a caller other than the gateway): the gateway's default
         timeout = (
             request.kv_timeout_ms / 1000 if request.kv_timeout_ms else GatewayConfig.kv_timeout_s
         )
