@@ -18,6 +18,8 @@ def _size(text: str) -> int:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's settings; defaults are the config dataclasses' own."""
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.model.fetch import DEFAULT_MODEL
 
     p.add_argument(
@@ -27,20 +29,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=EngineConfig.dtype,
         help="auto (bf16 where the hardware has it, else fp32), bfloat16, float32",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", default=EngineConfig.device)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=EngineConfig.threads,
+        help="torch threads (default: all cores)",
+    )
     p.add_argument(
         "--kv-cache-bytes",
         type=_size,
-        default=None,
+        default=CacheConfig.kv_cache_bytes,
         help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
 
 
 def _llm_from(args):
@@ -128,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    from pdserve.sampling_params import SamplingParams
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     g.add_argument("prompt")
@@ -136,11 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default=None, help="a running gateway (host:port) instead of a local engine"
     )
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    # generate's own choices: greedy and 128 tokens (the API's defaults are SamplingParams')
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    g.add_argument("--seed", type=int, default=SamplingParams.seed)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.set_defaults(func=cmd_generate)
 

@@ -20,6 +20,7 @@ from pdserve.scheduler import Scheduler, blocks_needed
 from pdserve.sequence import Sequence
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
+from pdserve.validation import validate_prompt
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,9 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty; give at least one token")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} "
-                f"exceeds this model's context of {self.max_model_len} tokens"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        validate_prompt(
+            prompt_token_ids, params.max_tokens, self.max_model_len, self.model_config.vocab_size
+        )
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

@@ -1,10 +1,23 @@
-"""grpc.aio server and channel factories: health, reflection and limits installed in one place."""
+"""grpc.aio server and channel factories: health, reflection, limits and the error interceptor
+installed in one place.
+
+Servicers do not call ``context.abort``: they raise. A ``StatusError`` ends the call with its own
+code and message; any other exception with the code its class has in the server's error table
+(the nearest class in its MRO that the table names), and the exception's text as the message; an
+exception the table does not know ends it with INTERNAL, its traceback logged.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve import telemetry
 
 # Requests larger than this are refused by gRPC itself with RESOURCE_EXHAUSTED (a 10 MB prompt
 # is never legitimate: the longest context is far smaller).
@@ -16,13 +29,106 @@ _OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+ErrorTable = Mapping[type[Exception], grpc.StatusCode]
+
+
+class StatusError(Exception):
+    """Ends an RPC with ``code`` and ``message``, exactly as given."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _table_code(exc: BaseException, errors: ErrorTable) -> grpc.StatusCode | None:
+    for cls in type(exc).__mro__:
+        code = errors.get(cls)
+        if code is not None:
+            return code
+    return None
+
+
+def status_of(exc: BaseException, errors: ErrorTable) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised ``exc`` ends with: see the module's docstring."""
+    if isinstance(exc, StatusError):
+        return exc.code, str(exc)
+    code = _table_code(exc, errors)
+    if code is None:
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns what a unary-unary or unary-stream handler raises into ``context.abort(code,
+    message)`` (a streaming handler may raise after it has yielded: the client gets the messages,
+    then the status). Cancellation and the handler's own aborts pass through."""
+
+    def __init__(self, errors: ErrorTable) -> None:
+        self.errors = errors
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        if handler.response_streaming:
+            behaviour = handler.unary_stream
+            if inspect.isasyncgenfunction(behaviour):
+                wrap, factory = self._stream, grpc.unary_stream_rpc_method_handler
+            elif inspect.iscoroutinefunction(behaviour):  # writes with context.write
+                wrap, factory = self._unary, grpc.unary_stream_rpc_method_handler
+            else:
+                return handler
+        else:
+            behaviour = handler.unary_unary
+            if not inspect.iscoroutinefunction(behaviour):
+                return handler
+            wrap, factory = self._unary, grpc.unary_unary_rpc_method_handler
+        return factory(
+            wrap(behaviour, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _unary(self, behaviour, method: str):
+        async def call(request, context):
+            try:
+                return await behaviour(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # every exception ends the call with a status
+                await self._abort(context, e, method)
+
+        return call
+
+    def _stream(self, behaviour, method: str):
+        async def call(request, context):
+            try:
+                # aclosing: closing this generator closes the handler's at once (its finally
+                # blocks run then, not whenever it is collected)
+                async with contextlib.aclosing(behaviour(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # every exception ends the call with a status
+                await self._abort(context, e, method)
+
+        return call
+
+    async def _abort(self, context, exc: Exception, method: str) -> None:
+        if not isinstance(exc, StatusError) and _table_code(exc, self.errors) is None:
+            telemetry.logger().error("rpc.internal_error", method=method, exc_info=exc)
+        await context.abort(*status_of(exc, self.errors))
+
 
 class Server:
-    """A grpc.aio server with the standard health service (overall status "" plus one per service)
-    and reflection."""
+    """A grpc.aio server with the standard health service (overall status "" plus one per service),
+    reflection, and the error interceptor with ``errors``, the table of exception class -> status
+    code of the services it serves."""
 
-    def __init__(self, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=_OPTIONS)
+    def __init__(self, service_names: list[str], *, errors: ErrorTable) -> None:
+        self.server = grpc.aio.server(options=_OPTIONS, interceptors=[ErrorInterceptor(errors)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = service_names

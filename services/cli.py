@@ -11,10 +11,10 @@ import sys
 from collections.abc import Callable
 
 from pdserve.services import launcher
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.registry import ROLES
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 def engine_config(args) -> EngineConfig:
@@ -27,6 +27,16 @@ def engine_config(args) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
+    )
+
+
+def gateway_config(args) -> GatewayConfig:
+    return GatewayConfig(
+        policy=args.policy,
+        lease_s=args.lease,
+        kv_timeout_s=args.kv_timeout,
+        max_attempts=args.max_attempts,
+        queue_timeout_s=args.queue_timeout,
     )
 
 
@@ -72,9 +82,7 @@ def cmd_gateway(args) -> int:
                 model=args.model,
                 host=args.host,
                 port=args.port,
-                policy=args.policy,
-                lease_s=args.lease,
-                kv_timeout_s=args.kv_timeout,
+                config=gateway_config(args),
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, "gateway"),
             )
@@ -107,11 +115,31 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--model", default=DEFAULT_MODEL)
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
-    gw.add_argument("--policy", default="least_loaded", help="round_robin or least_loaded")
+    gw.add_argument("--policy", default=GatewayConfig.policy, help="round_robin or least_loaded")
     gw.add_argument(
-        "--lease", type=float, default=10.0, help="seconds a worker stays listed without heartbeat"
+        "--lease",
+        type=float,
+        default=GatewayConfig.lease_s,
+        help="seconds a worker stays listed without heartbeat",
     )
-    gw.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    gw.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=GatewayConfig.kv_timeout_s,
+        help="seconds a KV transfer may take",
+    )
+    gw.add_argument(
+        "--max-attempts",
+        type=int,
+        default=GatewayConfig.max_attempts,
+        help="worker pairs a request tries before its first token",
+    )
+    gw.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=GatewayConfig.queue_timeout_s,
+        help="seconds a request without a deadline waits while every decode worker is full",
+    )
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     for role in ROLES:
@@ -151,7 +179,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
 
 
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
-    from pdserve.telemetry import LOG_FORMATS
+    from pdserve.telemetry import LOG_FORMATS, TelemetryConfig
 
     p.add_argument(
         "--metrics-port",
@@ -161,13 +189,13 @@ def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
     )
     p.add_argument(
         "--otlp-endpoint",
-        default=None,
+        default=TelemetryConfig.otlp_endpoint,
         help="export traces over OTLP/gRPC here, e.g. http://localhost:4317 "
         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
     )
     p.add_argument(
         "--log-format",
-        default="auto",
+        default=TelemetryConfig.log_format,
         choices=LOG_FORMATS,
         help="auto: readable in a terminal, JSON lines otherwise",
     )

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from pdserve.services.errors import STATUS_CODES
+from pdserve.services.gateway.config import GatewayConfig
 
 from pdserve import rpc, telemetry
 from pdserve.config import EngineConfig
@@ -44,9 +46,7 @@ class GatewayOptions:
     model: str
     host: str = "127.0.0.1"
     port: int = 0
-    policy: str = "least_loaded"
-    lease_s: float = 10.0
-    kv_timeout_s: float = 30.0
+    config: GatewayConfig = field(default_factory=GatewayConfig)
     max_model_len: int | None = None
     metrics_port: int = 0
     telemetry: telemetry.TelemetryConfig = field(
@@ -162,11 +162,11 @@ async def serve_worker(opts: WorkerOptions) -> None:
     )
     if opts.role == "prefill":
         worker = PrefillWorker(engine, transport, metrics)
-        server = rpc.Server(["pdserve.v1.Prefill"])
+        server = rpc.Server(["pdserve.v1.Prefill"], errors=STATUS_CODES)
         worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server.server)
     else:
         worker = DecodeWorker(engine, transport, metrics)
-        server = rpc.Server(["pdserve.v1.Decode"])
+        server = rpc.Server(["pdserve.v1.Decode"], errors=STATUS_CODES)
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
     port = server.bind(f"{opts.host}:{opts.port}")
     address = advertised_address(opts.host, port, opts.advertise)
@@ -211,26 +211,19 @@ async def serve_worker(opts: WorkerOptions) -> None:
 
 async def serve_gateway(opts: GatewayOptions) -> None:
     from pdserve.services.gateway.gateway import Gateway
-    from pdserve.services.gateway.registry import WorkerRegistry
-    from pdserve.services.gateway.router import Router
     from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
     telemetry.setup(opts.telemetry)
     folder = resolve_model(opts.model)
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    registry = WorkerRegistry(lease_s=opts.lease_s)
     gateway = Gateway(
-        Tokenizer.from_folder(folder),
-        max_len,
-        cfg.vocab_size,
-        registry,
-        Router(opts.policy),
-        model_name=folder.name,
-        kv_timeout_s=opts.kv_timeout_s,
+        Tokenizer.from_folder(folder), max_len, cfg.vocab_size, folder.name, opts.config
     )
+    registry = gateway.registry
     server = rpc.Server(
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "pdserve.v1.Registry"]
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "pdserve.v1.Registry"],
+        errors=STATUS_CODES,
     )
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
@@ -243,7 +236,7 @@ async def serve_gateway(opts: GatewayOptions) -> None:
         "gateway.ready",
         address=f"{opts.host}:{port}",
         metrics=metrics_address,
-        policy=opts.policy,
+        policy=opts.config.policy,
         tracing=telemetry.tracing_enabled(),
     )
     try:

@@ -6,21 +6,18 @@ from pdserve.outputs import TokenLogprobs
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
 
-DEFAULT_MAX_TOKENS = 16
+# unset, these take SamplingParams' defaults
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "logprobs")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError (-> INVALID_ARGUMENT) with the field and the allowed range."""
     return SamplingParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_k=p.top_k,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        **{name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)},
     )
 
 

@@ -1,18 +1,16 @@
-"""Thin grpc.aio adapter: protobuf -> DecodeWorker -> protobuf."""
+"""Thin grpc.aio adapter: protobuf -> DecodeWorker -> protobuf. What it raises ends the call
+with the status ``services/errors.py`` gives it."""
 
 from __future__ import annotations
 
 import grpc
 from pdserve.services.decode.worker import DecodeWorker
+from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.stats import worker_stats
 
 from pdserve import telemetry
-from pdserve.engine import AdmissionError
-from pdserve.transfer import TransferError, TransferTimeoutError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
-
-DEFAULT_KV_TIMEOUT_S = 30.0
 
 
 def token_chunk(out) -> worker_pb2.DecodeResponse:
@@ -29,28 +27,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.worker = worker
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        params = sampling_from_proto(request.sampling)
         ids = list(request.prompt_token_ids)
         parent = telemetry.from_metadata(context.invocation_metadata())
         if request.prefill_locally:
-            try:
-                async for out in self.worker.generate_local(
-                    request.request_id, ids, params, parent
-                ):
-                    yield token_chunk(out)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            async for out in self.worker.generate_local(request.request_id, ids, params, parent):
+                yield token_chunk(out)
             return
-        timeout = request.kv_timeout_ms / 1000 if request.kv_timeout_ms else DEFAULT_KV_TIMEOUT_S
-        try:
-            adm = await self.worker.admit(request.request_id, ids, params, timeout, parent)
-        except AdmissionError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # kv_timeout_ms unset (a caller other than the gateway): the gateway's default
+        timeout = (
+            request.kv_timeout_ms / 1000 if request.kv_timeout_ms else GatewayConfig.kv_timeout_s
+        )
+        adm = await self.worker.admit(request.request_id, ids, params, timeout, parent)
         transport = self.worker.transport
         try:
             yield worker_pb2.DecodeResponse(
@@ -66,10 +54,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
             async for out in self.worker.stream(adm):
                 yield token_chunk(out)
-        except TransferTimeoutError as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             await self.worker.release(adm)  # the caller went away right after admission, or failed
 

@@ -1,17 +1,22 @@
 """One request as the gateway sees it: its root span, its log lines and its latency metrics.
 
 open ──> routed (router.pick span per try) ──> tokens ... ──> close(outcome)
+(``with`` the request, it closes with the status the client gets: OK, the status its exception
+maps to, or CANCELLED when the client went away)
 TTFT = first tokens - open;  ITL = gap between streamed tokens;  TPOT = (last - first) / (n - 1)
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
+from pdserve.services.errors import STATUS_CODES
 
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
+from pdserve.rpc import status_of
 
 
 class GatewayRequest:
@@ -96,6 +101,17 @@ class GatewayRequest:
         if telemetry.log_prompts():
             self.text.append(text)
         self.finish_reason = finish_reason or self.finish_reason
+
+    def __enter__(self) -> GatewayRequest:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            self.close(grpc.StatusCode.CANCELLED, "the client went away")
+        else:
+            self.close(*status_of(exc, STATUS_CODES))
 
     def close(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """End the request: ``code`` None for success, else the status the client gets."""

@@ -1,4 +1,4 @@
-"""Gateway: validate, tokenize, route to a decode + prefill pair, stream tokens back.
+"""Gateway: tokenize, validate, route to a decode + prefill pair, stream tokens back.
 
     client ──Generate──> Gateway ──Decode.Generate──> D   (1) admitted: blocks reserved
                                  ──Prefill.Prefill──> P   (2) KV pushed P -> D, first token back
@@ -7,8 +7,9 @@
 
 Failures before the first token are retried on another pair; after it, the client gets
 UNAVAILABLE at once. A full decode worker answers RESOURCE_EXHAUSTED at once: when every one is
-full, the request queues here until capacity frees (or its deadline / the queue timeout passes). When no prefill worker
-is alive, a colocated worker (or a decode worker prefilling locally) serves, and is counted.
+full, the request queues here until capacity frees (or its deadline / the queue timeout passes).
+When no prefill worker is alive, a colocated worker (or a decode worker prefilling locally)
+serves, and is counted.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ from dataclasses import dataclass, field
 
 import grpc
 from pdserve.services.gateway.accounting import GatewayRequest
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.prompt import Prompt, encode
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
 from pdserve.services.gateway.router import Router
 
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
 from pdserve.outputs import TokenLogprobs
+from pdserve.rpc import StatusError
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
 from pdserve.v1.convert import logprobs_from_proto, sampling_to_proto
+from pdserve.validation import validate_prompt
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -44,12 +49,14 @@ RETRYABLE = {
 }
 
 
-class GatewayError(Exception):
+class GatewayError(StatusError):
     """Ends a request with a status code and a message for the client."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
 
 
 @dataclass
@@ -58,36 +65,35 @@ class Delta:
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str = ""
+    usage: Usage | None = None  # on the last delta
 
 
 class Gateway:
+    """Serves ``model_name`` (its tokenizer, context length and vocabulary size) through the
+    workers in ``self.registry``."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
         max_model_len: int,
         vocab_size: int,
-        registry: WorkerRegistry,
-        router: Router,
         model_name: str,
-        kv_timeout_s: float = 30.0,
-        max_attempts: int = 3,
-        queue_timeout_s: float = 300.0,
+        config: GatewayConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.registry = registry
-        self.router = router
         self.model_name = model_name
-        self.kv_timeout_s = kv_timeout_s
-        self.max_attempts = max_attempts
-        self.queue_timeout_s = queue_timeout_s
+        self.config = config or GatewayConfig()
+        self.registry = WorkerRegistry(self.config.lease_s)
+        self.router = Router(self.config.policy)
         self._capacity = asyncio.Condition()
         self.metrics = GatewayMetrics()
         self._ids = itertools.count()
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
-        """Start accounting for a request (its span continues a traceparent in ``metadata``)."""
+        """Start accounting for a request (its span continues a traceparent in ``metadata``);
+        ``with`` it, it ends with the status the client gets."""
         return GatewayRequest(
             request_id or f"gw-{next(self._ids)}",
             telemetry.from_metadata(metadata),
@@ -97,31 +103,33 @@ class Gateway:
             stream,
         )
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty; give at least one token")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{len(ids) + params.max_tokens} exceeds this model's context of {self.max_model_len} tokens"
-            )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+    def check_model(self, model: str) -> None:
+        """NOT_FOUND unless ``model`` is empty (the served one) or the one served here."""
+        if model and model != self.model_name:
+            raise GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} is not served here; available: {self.model_name!r}",
             )
 
     async def generate(
         self,
         req: GatewayRequest,
-        ids: list[int],
+        prompt: Prompt,
         params: SamplingParams,
         timeout: float | None = None,
     ) -> AsyncIterator[Delta]:
-        """Deltas of ``req`` until one carries a finish reason; GatewayError when it cannot be served."""
+        """Deltas of ``req`` until one carries a finish reason (and the usage). ValueError for a
+        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it."""
+        ids, prompt_text = encode(prompt, self.tokenizer)
+        req.prepared(ids, params.max_tokens, prompt_text)
+        validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
         text = TextStream(self.tokenizer, ids, params.stop)
+        num_tokens = 0
         async for delta in self._route(req, ids, params, text, timeout):
+            num_tokens += len(delta.token_ids)
             req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
+            if delta.finish_reason:
+                delta.usage = Usage(len(ids), num_tokens)
             yield delta
             if delta.finish_reason:
                 return
@@ -129,16 +137,15 @@ class Gateway:
     async def _route(
         self, req: GatewayRequest, ids, params, text: TextStream, timeout
     ) -> AsyncIterator[Delta]:
+        cfg = self.config
         tried: set[str] = set()  # failed for this request: not asked again
-        full: set[str] = (
-            set()
-        )  # refused admission (RESOURCE_EXHAUSTED): asked again once capacity frees
+        full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once it frees
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + (timeout if timeout is not None else self.queue_timeout_s)
+        give_up_at = loop.time() + (timeout if timeout is not None else cfg.queue_timeout_s)
         last_error = "no worker is registered"
         attempts = 0
         tries = itertools.count()
-        while attempts < self.max_attempts:
+        while attempts < cfg.max_attempts:
             stream = self._pick(req, next(tries), ids, params, timeout, tried | full)
             if stream is None:
                 if not full:
@@ -148,7 +155,7 @@ class Gateway:
                 if loop.time() >= give_up_at:
                     raise GatewayError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"every decode worker stayed full for {self.queue_timeout_s:g} s",
+                        f"every decode worker stayed full for {cfg.queue_timeout_s:g} s",
                     )
                 self.metrics.waiting.inc()
                 try:
@@ -260,7 +267,7 @@ class Gateway:
                 request_id=rid,
                 prompt_token_ids=ids,
                 sampling=sampling,
-                kv_timeout_ms=int(self.kv_timeout_s * 1000),
+                kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
             ),
             timeout=timeout,
             metadata=md,
@@ -279,7 +286,7 @@ class Gateway:
                         sampling=sampling,
                         destination=first.admitted.destination,
                     ),
-                    timeout=timeout or self.kv_timeout_s,
+                    timeout=timeout or self.config.kv_timeout_s,
                     metadata=md,
                 )
             except grpc.aio.AioRpcError as e:

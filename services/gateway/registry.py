@@ -40,7 +40,7 @@ class LayoutMismatchError(ValueError):
 
 
 class WorkerRegistry:
-    def __init__(self, lease_s: float = 10.0) -> None:
+    def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self.workers: dict[str, Worker] = {}
         self.compat_hash: str | None = None  # of the first worker; every other must match

@@ -14,7 +14,7 @@ class Router:
     """``least_loaded`` picks the worker with the fewest outstanding tokens (prompt + max_tokens of
     this gateway's requests in flight there); ``round_robin`` cycles."""
 
-    def __init__(self, policy: str = "least_loaded") -> None:
+    def __init__(self, policy: str) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy

@@ -1,10 +1,16 @@
-"""Thin grpc.aio adapters of the gateway: the public Generation API and the worker Registry."""
+"""Thin grpc.aio adapters of the gateway: the public Generation API and the worker Registry.
+
+protobuf -> Python (Prompt, SamplingParams) -> Gateway -> protobuf; what they raise ends the call
+with the status ``services/errors.py`` gives it.
+"""
 
 from __future__ import annotations
 
-import grpc
-from pdserve.services.gateway.accounting import GatewayRequest
-from pdserve.services.gateway.gateway import Gateway, GatewayError
+import contextlib
+from collections.abc import AsyncIterator
+
+from pdserve.services.gateway.gateway import Delta, Gateway
+from pdserve.services.gateway.prompt import ChatMessage, Prompt
 from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry
 
 from pdserve import telemetry
@@ -12,99 +18,70 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_p
 from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
 
+def prompt_from_proto(request: generation_pb2.GenerateRequest) -> Prompt:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return Prompt(text=request.text)
+    if kind == "token_ids":
+        return Prompt(token_ids=tuple(request.token_ids.ids))
+    if kind == "chat":
+        return Prompt(chat=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages))
+    return Prompt()
+
+
+def response_from_delta(request_id: str, d: Delta) -> generation_pb2.GenerateResponse:
+    resp = generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
+        finish_reason=d.finish_reason,
+    )
+    if d.usage is not None:
+        resp.usage.CopyFrom(
+            generation_pb2.Usage(
+                prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens
+            )
+        )
+    return resp
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Each call is one ``GatewayRequest`` (span, logs, metrics), closed with the status the
-    client gets: OK, the GatewayError's code, or CANCELLED when the client went away."""
+    client gets. ``Complete`` is ``Generate``'s stream, collected."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def _prepare(self, request: generation_pb2.GenerateRequest, req: GatewayRequest):
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, context, stream: bool
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         gw = self.gateway
-        try:
-            if request.model and request.model != gw.model_name:
-                raise GatewayError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"model {request.model!r} is not served here; available: {gw.model_name!r}",
-                )
+        with gw.open(request.request_id, context.invocation_metadata(), stream) as req:
+            gw.check_model(request.model)
             params = sampling_from_proto(request.sampling)
-            kind = request.WhichOneof("prompt")
-            text = None
-            if kind == "text":
-                if not request.text:
-                    raise ValueError("prompt is empty; give a non-empty text")
-                text = request.text
-                ids = gw.tokenizer.encode(text)
-            elif kind == "token_ids":
-                ids = list(request.token_ids.ids)
-            elif kind == "chat":
-                if not request.chat.messages:
-                    raise ValueError("chat has no messages")
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                text = gw.tokenizer.apply_chat_template(messages)
-                ids = gw.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                raise ValueError("no prompt: set one of text, token_ids or chat")
-            req.prepared(ids, params.max_tokens, text)
-            gw.validate(ids, params)
-        except ValueError as e:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        return ids, params
+            deltas = gw.generate(req, prompt_from_proto(request), params, context.time_remaining())
+            async with contextlib.aclosing(deltas):
+                async for d in deltas:
+                    yield response_from_delta(req.request_id, d)
 
     async def Generate(self, request, context):
-        req = self.gateway.open(request.request_id, context.invocation_metadata(), stream=True)
-        outcome: tuple[grpc.StatusCode, str] | None = (
-            grpc.StatusCode.CANCELLED,
-            "the client went away",
-        )
-        try:
-            ids, params = self._prepare(request, req)
-            completion = 0
-            async for d in self.gateway.generate(req, ids, params, context.time_remaining()):
-                completion += len(d.token_ids)
-                resp = generation_pb2.GenerateResponse(
-                    request_id=req.request_id,
-                    token_ids=d.token_ids,
-                    text=d.text,
-                    logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
-                    finish_reason=d.finish_reason,
-                )
-                if d.finish_reason:
-                    resp.usage.CopyFrom(
-                        generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=completion)
-                    )
-                    outcome = None
+        async with contextlib.aclosing(self._generate(request, context, stream=True)) as stream:
+            async for resp in stream:
                 yield resp
-        except GatewayError as e:
-            outcome = (e.code, str(e))
-            await context.abort(e.code, str(e))
-        finally:
-            req.close(*outcome) if outcome else req.close()
 
     async def Complete(self, request, context):
-        req = self.gateway.open(request.request_id, context.invocation_metadata(), stream=False)
-        outcome: tuple[grpc.StatusCode, str] | None = (
-            grpc.StatusCode.CANCELLED,
-            "the client went away",
-        )
-        try:
-            ids, params = self._prepare(request, req)
-            resp = generation_pb2.CompleteResponse(request_id=req.request_id)
-            async for d in self.gateway.generate(req, ids, params, context.time_remaining()):
-                resp.token_ids.extend(d.token_ids)
-                resp.text += d.text
-                resp.logprobs.extend(logprobs_to_proto(lp) for lp in d.logprobs)
-                resp.finish_reason = d.finish_reason
-            resp.usage.CopyFrom(
-                generation_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(resp.token_ids))
-            )
-            outcome = None
-            return resp
-        except GatewayError as e:
-            outcome = (e.code, str(e))
-            await context.abort(e.code, str(e))
-        finally:
-            req.close(*outcome) if outcome else req.close()
+        done = generation_pb2.CompleteResponse()
+        async with contextlib.aclosing(self._generate(request, context, stream=False)) as stream:
+            async for resp in stream:
+                done.request_id = resp.request_id
+                done.token_ids.extend(resp.token_ids)
+                done.text += resp.text
+                done.logprobs.extend(resp.logprobs)
+                done.finish_reason = resp.finish_reason
+                if resp.HasField("usage"):
+                    done.usage.CopyFrom(resp.usage)
+        return done
 
     async def ListModels(self, request, context):
         gw = self.gateway
@@ -126,9 +103,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             telemetry.logger().warning(
                 "worker.refused", worker_id=request.worker_id, address=request.address, error=str(e)
             )
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
         telemetry.logger().info(
             "worker.registered",
             worker_id=request.worker_id,

@@ -1,15 +1,15 @@
-"""Thin grpc.aio adapter: protobuf -> PrefillWorker -> protobuf."""
+"""Thin grpc.aio adapter: protobuf -> PrefillWorker -> protobuf. What it raises ends the call
+with the status ``services/errors.py`` gives it."""
 
 from __future__ import annotations
 
 import time
 
-import grpc
 from pdserve.services.prefill.worker import Destination, PrefillWorker
 from pdserve.services.stats import worker_stats
 
 from pdserve import telemetry
-from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
+from pdserve.transfer import HeaderMismatchError
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
@@ -22,38 +22,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self, request: worker_pb2.PrefillRequest, context
     ) -> worker_pb2.PrefillResponse:
         d = request.destination
-        try:
-            params = sampling_from_proto(request.sampling)
-            dest = Destination(
-                d.kv_address,
-                int(d.transfer_id),
-                list(d.block_ids),
-                max(d.deadline_unix_ms / 1000 - time.time(), 0.001),
-            )
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if d.compat_hash and d.compat_hash != self.worker.transport.layout.compat_hash:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+        params = sampling_from_proto(request.sampling)
+        dest = Destination(
+            d.kv_address,
+            int(d.transfer_id),
+            list(d.block_ids),
+            max(d.deadline_unix_ms / 1000 - time.time(), 0.001),
+        )
+        compat_hash = self.worker.transport.layout.compat_hash
+        if d.compat_hash and d.compat_hash != compat_hash:
+            raise HeaderMismatchError(
                 f"decode worker's KV layout {d.compat_hash} differs from this prefill "
-                f"worker's {self.worker.transport.layout.compat_hash}",
+                f"worker's {compat_hash}"
             )
-        try:
-            out, stats, overlap = await self.worker.prefill(
-                request.request_id,
-                list(request.prompt_token_ids),
-                params,
-                dest,
-                telemetry.from_metadata(context.invocation_metadata()),
-            )
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except HeaderMismatchError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except TransferTimeoutError as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        out, stats, overlap = await self.worker.prefill(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            dest,
+            telemetry.from_metadata(context.invocation_metadata()),
+        )
         lp = logprobs_to_proto(out.new_logprobs[0]) or None
         first = lp if lp is not None else common_pb2.TokenLogprob(token_id=out.new_token_ids[0])
         return worker_pb2.PrefillResponse(

@@ -1,0 +1,24 @@
+"""What a prompt must satisfy wherever it arrives (the gateway, a worker's engine, the offline
+API): one check, so that every entry point refuses the same prompts with the same messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def validate_prompt(
+    prompt_token_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int
+) -> None:
+    """Raises ValueError unless the prompt has a token, every id is in the vocabulary, and the
+    prompt plus ``max_tokens`` fits the model's context."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty; give at least one token")
+    if n + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
+            f"exceeds this model's context of {max_model_len} tokens"
+        )
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")

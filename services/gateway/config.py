@@ -1,0 +1,27 @@
+"""The gateway's settings: one frozen dataclass, its defaults the only ones (the CLI reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """``policy``: how workers are picked (``router.POLICIES``); ``lease_s``: how long a worker stays
+    listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds blocks reserved
+    for a KV transfer (and the prefill call's deadline when the client set none);
+    ``max_attempts``: worker pairs tried before the first token; ``queue_timeout_s``: how long a
+    request without a deadline waits while every decode worker is full."""
+
+    policy: str = "least_loaded"
+    lease_s: float = 10.0
+    kv_timeout_s: float = 30.0
+    max_attempts: int = 3
+    queue_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "kv_timeout_s", "queue_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")

@@ -1,0 +1,58 @@
+"""A request's prompt as the gateway receives it, and the token ids it stands for.
+
+Prompt(text="...")                   raw text, tokenized as is (no chat template)
+Prompt(token_ids=(1, 2, 3))          pre-tokenized
+Prompt(chat=(ChatMessage(...), ...)) rendered with the model's chat template, then tokenized
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jinja2
+
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of ``text``, ``token_ids`` and ``chat`` is set; ``encode`` checks it."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[ChatMessage, ...] | None = None
+
+
+def encode(prompt: Prompt, tokenizer: Tokenizer) -> tuple[list[int], str | None]:
+    """The prompt's token ids, and the text they encode (None for token ids).
+
+    Raises ValueError when no prompt or more than one is set, the text is empty, the chat has no
+    messages, or the chat template refuses them. Token ids are taken as they are: what they must
+    satisfy is ``validation.validate_prompt``'s to say.
+    """
+    kinds = [k for k in ("text", "token_ids", "chat") if getattr(prompt, k) is not None]
+    if not kinds:
+        raise ValueError("no prompt: set one of text, token_ids or chat")
+    if len(kinds) > 1:
+        raise ValueError(f"set one prompt, not {' and '.join(kinds)}")
+    if prompt.text is not None:
+        if not prompt.text:
+            raise ValueError("prompt is empty; give a non-empty text")
+        return tokenizer.encode(prompt.text), prompt.text
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids), None
+    if not prompt.chat:
+        raise ValueError("chat has no messages")
+    messages = [{"role": m.role, "content": m.content} for m in prompt.chat]
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the model's chat template refused these messages: {e}") from None
+    # the template writes the special tokens (BOS and the like) itself
+    return tokenizer.encode(text, add_special_tokens=False), text

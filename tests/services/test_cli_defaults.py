@@ -1,0 +1,55 @@
+"""The command line's defaults are the config dataclasses' own: parsing no options builds the
+same configs as the dataclasses' defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from pdserve.services import cli as serve_cli
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.registry import ROLES
+
+from pdserve.cli import build_parser
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.sampling_params import SamplingParams
+from pdserve.telemetry import TelemetryConfig
+
+
+def test_gateway_defaults_are_gateway_configs():
+    args = build_parser().parse_args(["gateway"])
+    assert serve_cli.gateway_config(args) == GatewayConfig()
+    assert serve_cli.telemetry_config(args, "gateway") == TelemetryConfig("gateway")
+
+
+def test_gateway_options_reach_the_config():
+    args = build_parser().parse_args(
+        "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 "
+        "--queue-timeout 9".split()
+    )
+    assert serve_cli.gateway_config(args) == GatewayConfig("round_robin", 3.0, 7.0, 5, 9.0)
+
+
+@pytest.mark.parametrize("command", [*ROLES, "up"])
+def test_engine_defaults_are_engine_configs(command):
+    args = build_parser().parse_args([command])
+    model = args.model
+    assert serve_cli.engine_config(args) == EngineConfig(model)
+    assert serve_cli.engine_config(args).cache == CacheConfig()
+    assert serve_cli.engine_config(args).scheduler == SchedulerConfig()
+
+
+def test_generate_sampling_defaults_are_sampling_params_but_for_its_own_two():
+    from pdserve.cli import _sampling
+
+    args = build_parser().parse_args(["generate", "hi"])
+    # generate chooses greedy and a longer answer; everything else is SamplingParams'
+    expected = dataclasses.replace(SamplingParams(), max_tokens=128, temperature=0.0)
+    assert _sampling(args) == expected
+
+
+def test_every_gateway_config_field_has_an_option():
+    args = vars(build_parser().parse_args(["gateway"]))
+    options = {"policy", "lease", "kv_timeout", "max_attempts", "queue_timeout"}
+    assert options <= set(args)
+    assert len(options) == len(dataclasses.fields(GatewayConfig))
