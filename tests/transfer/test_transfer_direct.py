@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.transfer import HeaderMismatchError, TransferTimeoutError, scatter_into
+from pdserve.transfer import HeaderMismatchError, PoolDestination, TransferTimeoutError
 from pdserve.transfer.header import HEADER_NBYTES, LayerHeader
 from pdserve.transfer.plan import (
     TRAILER_SUB,
@@ -196,7 +196,7 @@ def test_incomplete_direct_transfer_fails_at_its_deadline_then_settles() -> None
         pools = Pools(layout, POOL_BLOCKS)
         dst = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid + 1, True)
         start = time.monotonic()
-        transfer = receiver.expect(tid, NUM_BLOCKS, scatter_into(pools.k, pools.v, dst), timeout)
+        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
         src_pools = Pools(layout, POOL_BLOCKS)
         src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
         src_pools.fill(src, seed=tid)
