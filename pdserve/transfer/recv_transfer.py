@@ -119,7 +119,7 @@ class RecvTransfer:
     def hold_failure(self, seconds: float) -> None:
         """From an ``on_finish`` callback of a failing transfer: fail the future (on which the
         caller frees the blocks) only ``seconds`` later, for writes into the blocks that the
-        transport could not cancel (a direct transfer's matched receives, ucx_direct.py)."""
+        transport could not cancel (a direct transfer's matched receives, ucx_direct_recv.py)."""
         self._hold_s = max(self._hold_s, seconds)
 
     def layer_complete(self, layer: int) -> bool:

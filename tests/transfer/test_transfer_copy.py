@@ -20,7 +20,7 @@ IDS = {
 }
 
 
-def scatter_into(k_pools, v_pools, block_ids):  # noqa: ANN001, ANN201
+def land_in(k_pools, v_pools, block_ids):  # noqa: ANN001, ANN201
     """What a receiver calls per message of a transfer into these pools."""
     return layer_callback(PoolDestination(k_pools, v_pools, block_ids))
 
@@ -42,7 +42,7 @@ def test_gather_then_scatter_moves_every_byte(copy_path: str, dtype: torch.dtype
     src = IDS[ids]
     dst = IDS["random" if ids != "random" else "allocator"]
     sender.fill(src, seed=3)
-    on_layer = scatter_into(receiver.k, receiver.v, dst.tolist())
+    on_layer = land_in(receiver.k, receiver.v, dst.tolist())
     for layer in range(layout.num_layers):
         k = torch.empty(32, *layout.block_shape, dtype=dtype)
         v = torch.empty_like(k)
@@ -58,7 +58,7 @@ def test_chunks_land_at_their_block_offset(copy_path: str) -> None:
     layout = default_layout(torch.bfloat16)
     receiver = Pools(layout, POOL_BLOCKS)
     dst = IDS["runs"]
-    on_layer = scatter_into(receiver.k, receiver.v, dst)
+    on_layer = land_in(receiver.k, receiver.v, dst)
     for layer in range(layout.num_layers):
         k, v = layer_kv(layout, 32, 4, layer)
         for start, stop in ((0, 20), (20, 32)):
@@ -70,7 +70,7 @@ def test_chunks_land_at_their_block_offset(copy_path: str) -> None:
 def test_ids_outside_the_pools_fail_and_write_nothing(copy_path: str) -> None:
     layout = default_layout(torch.bfloat16)
     receiver = Pools(layout, POOL_BLOCKS)
-    on_layer = scatter_into(receiver.k, receiver.v, [*range(31), POOL_BLOCKS])
+    on_layer = land_in(receiver.k, receiver.v, [*range(31), POOL_BLOCKS])
     k, v = layer_kv(layout, 32, 1, 0)
     with pytest.raises((IndexError, RuntimeError)):
         on_layer(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
@@ -83,7 +83,7 @@ def test_ids_outside_the_pools_fail_and_write_nothing(copy_path: str) -> None:
 def test_a_message_beyond_the_block_ids_fails() -> None:
     layout = default_layout(torch.float32)
     receiver = Pools(layout, POOL_BLOCKS)
-    on_layer = scatter_into(receiver.k, receiver.v, torch.arange(8))
+    on_layer = land_in(receiver.k, receiver.v, torch.arange(8))
     k, v = layer_kv(layout, 4, 1, 0)
     with pytest.raises((IndexError, RuntimeError)):
         on_layer(LayerHeader.for_layer(layout, 1, 0, 4, block_offset=6), k, v)
@@ -96,7 +96,7 @@ def test_pools_the_c_copy_does_not_cover_use_index_copy() -> None:
     k_pools = [big[:, 0]] * layout.num_layers  # not contiguous
     v_pools = [big[:, 1]] * layout.num_layers
     dst = IDS["random"]
-    on_layer = scatter_into(k_pools, v_pools, dst)
+    on_layer = land_in(k_pools, v_pools, dst)
     k, v = layer_kv(layout, 32, 2, 0)
     on_layer(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
     assert torch.equal(big[dst, 0], k) and torch.equal(big[dst, 1], v)

@@ -1,7 +1,8 @@
-"""Direct transfers (plan.py, ucx_direct.py): K and V from the sender's pools straight into the
-receiver's, over UCX between processes; the framed fallback for fragmented destinations; the plan
-wire format. The receiver is a separate process (tests/transfer/peers.py) that checks every byte
-it landed and that no other block of its pools was touched."""
+"""Direct transfers (plan.py, ucx_direct_send.py, ucx_direct_recv.py): K and V from the sender's
+pools straight into the receiver's, over UCX between processes; the framed fallback for
+fragmented destinations; the plan wire format. The receiver is a separate process
+(tests/transfer/peers.py) that checks every byte it landed and that no other block of its pools
+was touched."""
 
 from __future__ import annotations
 
