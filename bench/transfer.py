@@ -8,10 +8,10 @@ Measurements per dtype (``--mode``), over UCX between two processes on loopback:
 
   pool    KV pool to KV pool, as the workers do it: the sender pushes each layer of its pools
           back to back (``start_send(dst_block_ids=...)``, ``send_pool_layer``, ``finish``), the
-          receiver lands them in other block ids of its pools (``scatter_into``). Sent direct
+          receiver lands them in other block ids of its pools (``PoolDestination``). Sent direct
           (plan.py: no gather, no scatter) when the ids cut into few segments, else framed.
   framed  the same without the receiver's ids: always framed, i.e. gathered into message buffers
-          (``gather_into``) and scattered from them (``scatter_into``).
+          (``gather_into``) and scattered from them into the pools (``PoolDestination``).
   wire    the framed transport alone: layers gathered before the clock starts, landed layers
           dropped.
 
@@ -48,7 +48,12 @@ import torch  # noqa: E402
 
 from bench.common import COMMON, DISAGGREGATED  # noqa: E402
 from bench.common import ENV as UCX_ENV  # noqa: E402
-from pdserve.transfer import create_transport, gather_into, scatter_into  # noqa: E402
+from pdserve.transfer import (  # noqa: E402
+    CallbackDestination,
+    PoolDestination,
+    create_transport,
+    gather_into,
+)
 from pdserve.transfer.header import KVLayout  # noqa: E402
 
 
@@ -86,9 +91,12 @@ def _receiver(
         conn.send(transport.address())
         while (msg := conn.recv()) is not None:
             transfer_id, scatter = msg
-            # what the decode worker does: scatter_into its reserved blocks
+            # what the decode worker does: land the transfer in its reserved blocks
             ids = _block_ids(pool, num_blocks, args.ids)
-            on_layer = scatter_into(k_pools, v_pools, ids) if scatter else lambda *_: None
+            if scatter:
+                dest = PoolDestination(k_pools, v_pools, ids)
+            else:
+                dest = CallbackDestination(num_blocks, lambda *_: None)
             landed = [0.0, threading.Event()]
 
             def finished(_, landed=landed):  # noqa: ANN001 - on the transport's thread
@@ -96,7 +104,7 @@ def _receiver(
                 landed[1].set()
 
             cpu = time.process_time()
-            transfer = transport.expect(transfer_id, num_blocks, on_layer, timeout=30.0)
+            transfer = transport.expect(transfer_id, dest, timeout=30.0)
             transfer.future.add_done_callback(finished)
             conn.send(("ready", ids.tolist()))
             stats = transfer.wait()

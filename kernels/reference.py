@@ -13,6 +13,8 @@ output comes back in q.dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -128,6 +130,51 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``: write ``buf`` into blocks ``block_ids`` of ``cache``, in place."""
     cache.index_copy_(0, block_ids.long(), buf.to(cache.dtype))
+
+
+def gather_kv_blocks(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """One layer's blocks ``block_ids`` of the K and V pools into ``k_out`` and ``v_out``
+    ``[len(block_ids), *pool.shape[1:]]`` (e.g. a KV transfer's message buffer), in place."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=k_pool.device)
+    torch.index_select(k_pool, 0, ids, out=k_out)
+    torch.index_select(v_pool, 0, ids, out=v_out)
+
+
+KVBlockWriter = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+
+
+def kv_block_writer(
+    k_pools: Sequence[torch.Tensor],
+    v_pools: Sequence[torch.Tensor],
+    block_ids: torch.Tensor | Sequence[int],
+) -> KVBlockWriter:
+    """A ``write(layer, first, k, v)`` that puts ``k`` and ``v`` ``[n, *pool.shape[1:]]`` into
+    blocks ``block_ids[first : first + n]`` of layer ``layer``'s K and V pool (a KV transfer
+    landing one message). What holds for every call is checked here, once."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=k_pools[0].device)
+
+    def write(layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if first + k.shape[0] > ids.numel():
+            raise IndexError(
+                f"blocks [{first}, {first + k.shape[0]}) beyond the {ids.numel()} block ids given"
+            )
+        sel = ids[first : first + k.shape[0]]
+        k_pool, v_pool = k_pools[layer], v_pools[layer]
+        k_pool.index_copy_(0, sel, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, sel, v.to(v_pool.dtype))
+
+    return write
+
+
+def empty_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised KV pool (``torch.empty``)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

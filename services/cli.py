@@ -15,6 +15,7 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.transfer import TRANSPORTS
 
 
 def engine_config(args) -> EngineConfig:
@@ -148,7 +149,9 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, default=0, help="0 picks a free port")
         w.add_argument("--gateway", default=None, help="register with this gateway (host:port)")
-        w.add_argument("--transport", default="ucx", help="KV transport: ucx (default) or loopback")
+        w.add_argument(
+            "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
+        )
         w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
         w.add_argument(
             "--advertise",

@@ -1,10 +1,11 @@
 """Block gather/scatter between a paged KV pool and a contiguous buffer, in C (``block_copy.c``):
 each run of consecutive block ids is one memcpy.
 
-``gather_blocks``/``scatter_blocks`` have the reference's signatures (``ops.py`` exports them);
-``gather_blocks_into`` gathers into a given buffer (a KV transport's message buffer). Inputs the C
-code does not cover (not CPU, not contiguous, dtypes or block shapes that differ) and machines
-without a compiler go to torch's index_select/index_copy_.
+``gather_blocks``/``scatter_blocks``, ``gather_kv_blocks`` and ``kv_block_writer`` have the
+reference's signatures (the package exports them); the last two are the KV transfer's copies: a
+layer's blocks into a message buffer (sender), a message's blocks into every layer's pools
+(receiver). Inputs the C code does not cover (not CPU, not contiguous, dtypes or block shapes that
+differ) and machines without a compiler go to torch's index_select/index_copy_.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from pdserve.kernels import reference
 from pdserve.kernels.cpu.build import BuildError, load_library
 
 logger = logging.getLogger(__name__)
@@ -127,3 +129,87 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tens
     )
     if bad:
         _raise_bad(bad, cache)
+
+
+def gather_kv_blocks(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_ids: BlockIds,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """See ``reference.gather_kv_blocks``: in C, a memcpy per run of consecutive ids. Pass
+    ``block_ids`` as a contiguous int64 CPU tensor to spare a conversion per call."""
+    lib = library()
+    if (
+        lib is not None
+        and isinstance(block_ids, torch.Tensor)
+        and block_ids.dtype == torch.int64
+        and block_ids.device.type == "cpu"
+        and block_ids.is_contiguous()
+        and native_ok(k_pool, k_out)
+        and native_ok(v_pool, v_out)
+        and k_pool.shape == v_pool.shape
+        and k_out.shape[0] == v_out.shape[0] == block_ids.numel()
+    ):  # a KV sender's case, once per layer: both in C, checked once
+        n, ids, pool_blocks = block_ids.numel(), block_ids.data_ptr(), k_pool.shape[0]
+        nbytes = block_nbytes(k_pool)
+        bad = lib.gather(k_out.data_ptr(), k_pool.data_ptr(), pool_blocks, ids, n, nbytes)
+        bad += lib.gather(v_out.data_ptr(), v_pool.data_ptr(), pool_blocks, ids, n, nbytes)
+        if bad:
+            raise IndexError(f"block ids outside [0, {pool_blocks}) of the sender's pools")
+        return
+    gather_blocks_into(k_pool, block_ids, k_out)
+    gather_blocks_into(v_pool, block_ids, v_out)
+
+
+def kv_block_writer(
+    k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor], block_ids: BlockIds
+) -> reference.KVBlockWriter:
+    """See ``reference.kv_block_writer``: two C calls per message for contiguous CPU pools of one
+    dtype and shape (it runs on a KV transport's thread, once per message: what holds for the
+    whole transfer is checked here, once); the reference's for other pools."""
+    lib = library()
+    first_pool = k_pools[0]
+    if (
+        lib is None
+        or first_pool.device.type != "cpu"
+        or len(k_pools) != len(v_pools)
+        or not all(
+            p.device.type == "cpu"
+            and p.is_contiguous()
+            and p.dtype == first_pool.dtype
+            and p.shape == first_pool.shape
+            for p in (*k_pools, *v_pools)
+        )
+    ):
+        return reference.kv_block_writer(k_pools, v_pools, block_ids)
+    ids = block_ids_tensor(block_ids)
+    ids_ptr, num_ids = ids.data_ptr(), ids.numel()
+    pool_blocks, nbytes = first_pool.shape[0], block_nbytes(first_pool)
+    dtype, block_shape = first_pool.dtype, first_pool.shape[1:]
+    scatter = lib.scatter
+
+    def write(layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[0]
+        if first + n > num_ids:
+            raise IndexError(f"blocks [{first}, {first + n}) beyond the {num_ids} block ids given")
+        if not (
+            k.dtype == dtype == v.dtype
+            and k.shape[1:] == block_shape == v.shape[1:]
+            and n == v.shape[0]
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and k.device.type == "cpu" == v.device.type
+        ):
+            sel = ids[first : first + n]
+            k_pools[layer].index_copy_(0, sel, k.to(dtype))
+            v_pools[layer].index_copy_(0, sel, v.to(dtype))
+            return
+        at = ids_ptr + first * 8  # int64 ids
+        bad = scatter(k_pools[layer].data_ptr(), pool_blocks, k.data_ptr(), at, n, nbytes)
+        bad += scatter(v_pools[layer].data_ptr(), pool_blocks, v.data_ptr(), at, n, nbytes)
+        if bad:
+            raise IndexError(f"block ids outside [0, {pool_blocks}) of the receiver's pools")
+
+    return write  # its closure keeps ``ids`` (and so ids_ptr) alive

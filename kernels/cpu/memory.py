@@ -66,3 +66,12 @@ def empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     buf = raw[offset : offset + nbytes]
     advise_huge_pages(buf)
     return buf.view(dtype).view(shape)
+
+
+def empty_pool(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """An uninitialised KV pool: on the CPU on huge pages (``empty``), elsewhere ``torch.empty``."""
+    if torch.device(device).type == "cpu":
+        return empty(shape, dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)

@@ -6,8 +6,8 @@ import os
 
 import torch
 
+from pdserve import kernels
 from pdserve.config import CacheConfig
-from pdserve.kernels.cpu import memory as cpu_memory
 from pdserve.model.config import ModelConfig
 
 
@@ -57,11 +57,8 @@ class KVCachePool:
 
         # empty: a block's content is defined only once written (stale data is never read
         # because attention stops at each sequence's context length). CPU pools on huge pages.
-        def empty() -> torch.Tensor:
-            if device.type == "cpu":
-                return cpu_memory.empty(shape, dtype)
-            return torch.empty(shape, dtype=dtype, device=device)
-
+        empty = kernels.get_backend(device).empty_pool
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (empty(), empty()) for _ in range(model.num_layers)
+            (empty(shape, dtype, device), empty(shape, dtype, device))
+            for _ in range(model.num_layers)
         ]

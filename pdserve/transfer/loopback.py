@@ -15,15 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.transfer.base import (
-    KVTransport,
-    LayerCallback,
-    PeerHandle,
-    PeerUnreachableError,
-    RecvTransfer,
-    TransferError,
-    check_layer,
-)
+from pdserve.transfer.base import KVTransport, PeerHandle, check_layer
+from pdserve.transfer.errors import PeerUnreachableError, TransferError
 from pdserve.transfer.header import (
     KVLayout,
     LayerHeader,
@@ -32,6 +25,8 @@ from pdserve.transfer.header import (
     write_message,
 )
 from pdserve.transfer.loop import LoopThread
+from pdserve.transfer.pool_copy import KVDestination
+from pdserve.transfer.recv_transfer import RecvTransfer
 
 _registry: dict[bytes, LoopbackTransport] = {}
 _registry_lock = threading.Lock()
@@ -60,12 +55,8 @@ class LoopbackTransport(KVTransport):
     def address(self) -> bytes:
         return pack_address(self.layout, self._raw_address)
 
-    def expect(
-        self, transfer_id: int, num_blocks: int, on_layer: LayerCallback, timeout: float
-    ) -> RecvTransfer:
-        transfer = RecvTransfer(
-            self.layout, transfer_id, num_blocks, on_layer, timeout, self._loop.loop
-        )
+    def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
+        transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._loop.loop)
         self._call(self._start_recv, transfer)
         return transfer
 

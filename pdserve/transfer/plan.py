@@ -16,7 +16,7 @@ them to the receiver, which checks them against its own ids. Every message has i
 transfer id and a sub-tag, ``sub_tag``), so none can land in another's place.
 
 A transfer whose ids are too fragmented (more than ``max_segments`` segments) is sent framed as
-before: one ``[header | K | V]`` message per layer, gathered and scattered (ucx.py).
+before: one ``[header | K | V]`` message per layer, gathered and scattered (pool_copy.py).
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ def fits_tags(num_layers: int, num_segments: int) -> bool:
         1 <= num_segments <= MAX_PLAN_SEGMENTS
         and num_layers * (1 + 2 * num_segments) <= TRAILER_SUB
     )
+
+
+def direct_starts(layout: KVLayout, dst: Sequence[int], max_segments: int) -> list[int] | None:
+    """The segments of a transfer into blocks ``dst`` (its runs), if it goes direct: at most
+    ``max_segments`` of them, and every message's sub-tag fits."""
+    starts = segment_starts(dst)
+    if len(starts) > max_segments or not fits_tags(layout.num_layers, len(starts)):
+        return None
+    return starts
 
 
 def sub_tag(num_layers: int, num_segments: int, layer: int, kv: int, segment: int) -> int:

@@ -1,4 +1,5 @@
-"""Buffers of the UCX transport: pooled message buffers (framed messages), raw views (direct).
+"""Buffers of the UCX transport: pooled message buffers (framed messages), raw views and the
+pools' bytes (direct).
 
 Fresh memory costs page faults (~0.3 ms per MB here) and the views of a buffer ~10 us of Python
 per message to make, so message buffers are reused together with what is made of them once.
@@ -14,6 +15,7 @@ import torch
 from pdserve.transfer.header import KVLayout, LayerHeader, header_view, message_views, write_header
 
 MAX_POOLED_PER_SIZE = 64
+MAX_CACHED_POOLS = 1024
 
 
 class Message:
@@ -73,6 +75,37 @@ class RawBuffer:
 
     def __init__(self, buf: Any, array: Any) -> None:
         self.buf, self.array, self.pooled = buf, array, False
+
+
+def pool_ok(layout: KVLayout, *pools: torch.Tensor) -> bool:
+    """Whether ``pools`` are contiguous CPU pools of ``layout``'s blocks, all of one size (what a
+    direct transfer sends from or lands in)."""
+    first = pools[0]
+    return all(
+        p.device.type == "cpu"
+        and p.is_contiguous()
+        and p.dtype == layout.dtype
+        and p.dim() == 4
+        and tuple(p.shape[1:]) == layout.block_shape
+        and p.shape[0] == first.shape[0]
+        for p in pools
+    )
+
+
+class PoolBytes:
+    """Each pool's memory as one flat numpy uint8 array, made once per pool."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+
+    def __call__(self, pool: torch.Tensor) -> Any:
+        key = (pool.data_ptr(), pool.numel())
+        hit = self._made.get(key)
+        if hit is None:
+            if len(self._made) >= MAX_CACHED_POOLS:
+                self._made.clear()
+            hit = self._made[key] = (pool, pool.view(-1).view(torch.uint8).numpy())
+        return hit[1]
 
 
 def ucx_array(view: Any) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pdserve.transfer.errors import TransferError
 from pdserve.transfer.ucx_buffers import ucx_array
 
 QUARANTINE_S = 10.0  # how long a cancelled request's buffer is kept, in case UCX still writes it
@@ -260,6 +261,24 @@ class UCXWorkerThread:
                 timer.fn(*timer.args)
                 ran = True
         return ran
+
+
+def call_or_closed(ucx: UCXWorkerThread, fn: Callable[..., Any], *args: Any) -> Any:
+    """``ucx.call``, raising TransferError("transport closed") once the thread has stopped."""
+    try:
+        return ucx.call(fn, *args)
+    except RuntimeError as exc:
+        if not ucx.running:
+            raise TransferError("transport closed") from exc
+        raise
+
+
+def call_soon_or_closed(ucx: UCXWorkerThread, fn: Callable[..., Any], *args: Any) -> None:
+    """``ucx.call_soon_threadsafe``, raising TransferError("transport closed") once stopped."""
+    try:
+        ucx.call_soon_threadsafe(fn, *args)
+    except RuntimeError as exc:
+        raise TransferError("transport closed") from exc
 
 
 def _noop(*_: Any) -> None:

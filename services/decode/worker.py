@@ -22,7 +22,13 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import KVTransport, RecvTransfer, TransferError, TransferStats, scatter_into
+from pdserve.transfer import (
+    KVTransport,
+    PoolDestination,
+    RecvTransfer,
+    TransferError,
+    TransferStats,
+)
 
 
 async def _settled(recv: RecvTransfer) -> None:
@@ -144,8 +150,8 @@ class DecodeWorker:
         blocks = landing.block_ids
         transfer_id = next(self._transfer_ids)
         try:
-            dest = scatter_into(landing.k_pools, landing.v_pools, blocks)
-            recv = self.transport.expect(transfer_id, len(blocks), dest, kv_timeout_s)
+            dest = PoolDestination(landing.k_pools, landing.v_pools, blocks)
+            recv = self.transport.expect(transfer_id, dest, kv_timeout_s)
         except BaseException:
             await self.loop.call(lambda e: e.abort_request(request_id))
             raise

@@ -3,6 +3,7 @@ runs of every length, ids out of range rejected before anything is written, fall
 
 from __future__ import annotations
 
+import importlib
 import shutil
 
 import pytest
@@ -108,3 +109,35 @@ def test_without_a_compiler_torch_does_it(monkeypatch: pytest.MonkeyPatch) -> No
     other = torch.zeros_like(cache)
     block_copy.scatter_blocks(other, torch.tensor(IDS), buf)
     assert torch.equal(other[IDS], buf)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_transfer_copies_match_torch_byte_for_byte(backend: str, dtype: torch.dtype) -> None:
+    """The KV transfer's copies of every backend: a layer gathered into a message buffer, then
+    written in two chunks into other blocks of every layer's pools; beyond the ids: IndexError."""
+    kernels = importlib.import_module(f"pdserve.kernels.{backend}")
+    src_k, src_v = pool(dtype), pool(dtype)
+    ids = torch.tensor(IDS, dtype=torch.long)
+    k, v = (
+        torch.empty(len(IDS), 16, 3, 64, dtype=dtype),
+        torch.empty(len(IDS), 16, 3, 64, dtype=dtype),
+    )
+    kernels.gather_kv_blocks(src_k, src_v, ids, k, v)
+    assert torch.equal(k.view(torch.uint8), src_k[ids].view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), src_v[ids].view(torch.uint8))
+
+    k_pools = [torch.zeros(20, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    v_pools = [torch.zeros_like(p) for p in k_pools]
+    dst = list(reversed(IDS))
+    write = kernels.kv_block_writer(k_pools, v_pools, dst)
+    write(1, 0, k[:5].contiguous(), v[:5].contiguous())
+    write(1, 5, k[5:].contiguous(), v[5:].contiguous())
+    assert torch.equal(k_pools[1][dst].view(torch.uint8), k.view(torch.uint8))
+    assert torch.equal(v_pools[1][dst].view(torch.uint8), v.view(torch.uint8))
+    assert not k_pools[0].any() and not v_pools[0].any()
+    with pytest.raises(IndexError, match="beyond the 14 block ids"):
+        write(0, 10, k[:5].contiguous(), v[:5].contiguous())
+
+    empty = kernels.empty_pool((3, 16, 3, 64), dtype, torch.device("cpu"))
+    assert empty.shape == (3, 16, 3, 64) and empty.dtype == dtype and empty.is_contiguous()

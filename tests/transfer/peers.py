@@ -17,11 +17,14 @@ from typing import Any
 import torch
 
 from pdserve.transfer import (
+    CallbackDestination,
+    KVDestination,
     KVLayout,
     KVTransport,
+    LayerHeader,
+    PoolDestination,
     TransferError,
     create_transport,
-    scatter_into,
 )
 
 TIMEOUT = 20.0  # generous bound for any single wait in these tests
@@ -97,6 +100,17 @@ class Pools:
         return bad
 
 
+def index_copy_into(pools: Pools, ids: torch.Tensor) -> KVDestination:
+    """A destination that writes each message into blocks ``ids`` of ``pools`` by itself."""
+
+    def on_layer(header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
+        sel = ids[header.block_offset : header.block_offset + header.num_blocks]
+        pools.k[header.layer].index_copy_(0, sel, k)
+        pools.v[header.layer].index_copy_(0, sel, v)
+
+    return CallbackDestination(len(ids), on_layer)
+
+
 def spawn(target: Any, *args: Any) -> tuple[mp.Process, Connection]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -122,7 +136,8 @@ def stop(proc: mp.Process) -> None:
 def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
     """Receive transfers on command, scatter them into this process's own block ids, and report
     ("done", tid, mismatches, bytes, block ids, first token) or ("failed", tid, error type,
-    message). ``land`` False: through a custom scatter, which a transport cannot land in itself."""
+    message). ``land`` False: through a callback (``index_copy_into``), not a PoolDestination,
+    so that a transport cannot land the transfer in the pools itself."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -141,9 +156,8 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
     ) -> None:
         pools = Pools(layout, pool_blocks)
         ids = block_ids(pool_blocks, num_blocks, seed + 7919, run)
-        custom = None if land else lambda pool, sel, buf: pool.index_copy_(0, sel, buf)
-        on_layer = scatter_into(pools.k, pools.v, ids, scatter=custom)
-        transfer = transport.expect(tid, num_blocks, on_layer, timeout)
+        dest = PoolDestination(pools.k, pools.v, ids) if land else index_copy_into(pools, ids)
+        transfer = transport.expect(tid, dest, timeout)
         reply(("expecting", tid))
         try:
             stats = transfer.wait()

@@ -1,5 +1,6 @@
-"""gather_into (sender: pools -> message buffer) and scatter_into (receiver: message -> pools):
-the C block copy and its torch fallback land the same bytes; ids out of range fail loudly."""
+"""gather_into (sender: pools -> message buffer) and a PoolDestination's landing (receiver:
+message -> pools, pool_copy.layer_callback): the C block copy and its torch fallback land the
+same bytes; ids out of range fail loudly."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from pdserve.kernels.cpu import block_copy
 
-from pdserve.transfer import LayerHeader, gather_into, scatter_into
+from pdserve.transfer import CallbackDestination, LayerHeader, PoolDestination, gather_into
+from pdserve.transfer.pool_copy import layer_callback
 from tests.transfer.peers import Pools, default_layout, layer_kv
 
 POOL_BLOCKS = 48
@@ -16,6 +18,11 @@ IDS = {
     "allocator": torch.arange(9, 41),  # one run, as a fresh allocator hands blocks out
     "runs": torch.tensor([*range(0, 10), 47, *range(20, 41)]),
 }
+
+
+def land_in(k_pools, v_pools, block_ids):  # noqa: ANN001, ANN201
+    """What a receiver calls per message of a transfer into these pools."""
+    return layer_callback(PoolDestination(k_pools, v_pools, block_ids))
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -35,7 +42,7 @@ def test_gather_then_scatter_moves_every_byte(copy_path: str, dtype: torch.dtype
     src = IDS[ids]
     dst = IDS["random" if ids != "random" else "allocator"]
     sender.fill(src, seed=3)
-    on_layer = scatter_into(receiver.k, receiver.v, dst.tolist())
+    on_layer = land_in(receiver.k, receiver.v, dst.tolist())
     for layer in range(layout.num_layers):
         k = torch.empty(32, *layout.block_shape, dtype=dtype)
         v = torch.empty_like(k)
@@ -51,7 +58,7 @@ def test_chunks_land_at_their_block_offset(copy_path: str) -> None:
     layout = default_layout(torch.bfloat16)
     receiver = Pools(layout, POOL_BLOCKS)
     dst = IDS["runs"]
-    on_layer = scatter_into(receiver.k, receiver.v, dst)
+    on_layer = land_in(receiver.k, receiver.v, dst)
     for layer in range(layout.num_layers):
         k, v = layer_kv(layout, 32, 4, layer)
         for start, stop in ((0, 20), (20, 32)):
@@ -63,7 +70,7 @@ def test_chunks_land_at_their_block_offset(copy_path: str) -> None:
 def test_ids_outside_the_pools_fail_and_write_nothing(copy_path: str) -> None:
     layout = default_layout(torch.bfloat16)
     receiver = Pools(layout, POOL_BLOCKS)
-    on_layer = scatter_into(receiver.k, receiver.v, [*range(31), POOL_BLOCKS])
+    on_layer = land_in(receiver.k, receiver.v, [*range(31), POOL_BLOCKS])
     k, v = layer_kv(layout, 32, 1, 0)
     with pytest.raises((IndexError, RuntimeError)):
         on_layer(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
@@ -76,27 +83,25 @@ def test_ids_outside_the_pools_fail_and_write_nothing(copy_path: str) -> None:
 def test_a_message_beyond_the_block_ids_fails() -> None:
     layout = default_layout(torch.float32)
     receiver = Pools(layout, POOL_BLOCKS)
-    on_layer = scatter_into(receiver.k, receiver.v, torch.arange(8))
+    on_layer = land_in(receiver.k, receiver.v, torch.arange(8))
     k, v = layer_kv(layout, 4, 1, 0)
     with pytest.raises((IndexError, RuntimeError)):
         on_layer(LayerHeader.for_layer(layout, 1, 0, 4, block_offset=6), k, v)
 
 
 def test_pools_the_c_copy_does_not_cover_use_index_copy() -> None:
-    """Strided pools, and a caller's own scatter, keep working (and keep their semantics)."""
+    """Strided pools keep working (and keep their semantics); a callback gets the messages."""
     layout = default_layout(torch.float32)
     big = torch.zeros(POOL_BLOCKS, 2, *layout.block_shape)
     k_pools = [big[:, 0]] * layout.num_layers  # not contiguous
     v_pools = [big[:, 1]] * layout.num_layers
     dst = IDS["random"]
-    on_layer = scatter_into(k_pools, v_pools, dst)
+    on_layer = land_in(k_pools, v_pools, dst)
     k, v = layer_kv(layout, 32, 2, 0)
     on_layer(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
     assert torch.equal(big[dst, 0], k) and torch.equal(big[dst, 1], v)
 
     calls = []
-    custom = scatter_into(
-        k_pools, v_pools, dst, scatter=lambda pool, ids, buf: calls.append(len(ids))
-    )
-    custom(LayerHeader.for_layer(layout, 1, 0, 32), k, v)
-    assert calls == [32, 32]
+    dest = CallbackDestination(32, lambda header, k, v: calls.append((header.layer, len(k))))
+    layer_callback(dest)(LayerHeader.for_layer(layout, 1, 3, 32), k, v)
+    assert calls == [(3, 32)] and dest.num_blocks == 32

@@ -1,7 +1,8 @@
-"""Direct transfers (plan.py, ucx_direct.py): K and V from the sender's pools straight into the
-receiver's, over UCX between processes; the framed fallback for fragmented destinations; the plan
-wire format. The receiver is a separate process (tests/transfer/peers.py) that checks every byte
-it landed and that no other block of its pools was touched."""
+"""Direct transfers (plan.py, ucx_direct_send.py, ucx_direct_recv.py): K and V from the sender's
+pools straight into the receiver's, over UCX between processes; the framed fallback for
+fragmented destinations; the plan wire format. The receiver is a separate process
+(tests/transfer/peers.py) that checks every byte it landed and that no other block of its pools
+was touched."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.transfer import HeaderMismatchError, TransferTimeoutError, scatter_into
+from pdserve.transfer import HeaderMismatchError, PoolDestination, TransferTimeoutError
 from pdserve.transfer.header import HEADER_NBYTES, LayerHeader
 from pdserve.transfer.plan import (
     TRAILER_SUB,
@@ -196,7 +197,7 @@ def test_incomplete_direct_transfer_fails_at_its_deadline_then_settles() -> None
         pools = Pools(layout, POOL_BLOCKS)
         dst = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid + 1, True)
         start = time.monotonic()
-        transfer = receiver.expect(tid, NUM_BLOCKS, scatter_into(pools.k, pools.v, dst), timeout)
+        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
         src_pools = Pools(layout, POOL_BLOCKS)
         src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
         src_pools.fill(src, seed=tid)

@@ -14,16 +14,17 @@ import pytest
 import torch
 
 from pdserve.transfer import (
+    CallbackDestination,
     HeaderMismatchError,
     KVLayout,
     KVTransport,
     LayerHeader,
     PeerUnreachableError,
+    PoolDestination,
     SendTransfer,
     TransferError,
     TransferTimeoutError,
     create_transport,
-    scatter_into,
 )
 from pdserve.transfer.header import pack_address, unpack_address
 from tests.transfer.peers import Pools, block_ids, default_layout, layer_kv
@@ -94,7 +95,7 @@ def send_layers(
 def expect(receiver: KVTransport, tid: int, seed: int, timeout: float = 20.0):  # noqa: ANN201
     pools = Pools(receiver.layout, POOL_BLOCKS)
     ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed + 7919)  # not the sender's ids
-    transfer = receiver.expect(tid, NUM_BLOCKS, scatter_into(pools.k, pools.v, ids), timeout)
+    transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, ids), timeout)
     return transfer, pools, ids
 
 
@@ -216,7 +217,9 @@ def test_incomplete_transfer_times_out_at_its_deadline(transports: dict, kind: s
 @pytest.mark.parametrize("kind", KINDS)
 def test_cancel_and_callback_errors_fail_the_transfer(transports: dict, kind: str) -> None:
     sender, receiver = pair(transports, kind, torch.bfloat16)
-    cancelled = receiver.expect(next(_ids), NUM_BLOCKS, lambda *_: None, timeout=10.0)
+    cancelled = receiver.expect(
+        next(_ids), CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout=10.0
+    )
     cancelled.cancel("client went away")
     with pytest.raises(TransferError, match="client went away"):
         cancelled.wait()
@@ -225,7 +228,7 @@ def test_cancel_and_callback_errors_fail_the_transfer(transports: dict, kind: st
         raise RuntimeError("pool exploded")
 
     tid = next(_ids)
-    transfer = receiver.expect(tid, NUM_BLOCKS, broken, timeout=10.0)
+    transfer = receiver.expect(tid, CallbackDestination(NUM_BLOCKS, broken), timeout=10.0)
     send_layers(sender, sender.connect(receiver.address()), tid, tid, range(1))
     with pytest.raises(TransferError, match="pool exploded") as err:
         transfer.wait()
@@ -236,11 +239,11 @@ def test_cancel_and_callback_errors_fail_the_transfer(transports: dict, kind: st
 def test_transfer_ids_and_shapes_are_checked(transports: dict, kind: str) -> None:
     sender, receiver = pair(transports, kind, torch.float32)
     tid = next(_ids)
-    receiver.expect(tid, NUM_BLOCKS, lambda *_: None, timeout=10.0).cancel()
+    receiver.expect(tid, CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout=10.0).cancel()
     with pytest.raises(ValueError, match=f"transfer id {tid} is in use"):
-        receiver.expect(tid, NUM_BLOCKS, lambda *_: None, timeout=10.0)
+        receiver.expect(tid, CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout=10.0)
     with pytest.raises(ValueError, match="transfer_id must be in"):
-        receiver.expect(2**48, NUM_BLOCKS, lambda *_: None, timeout=10.0)
+        receiver.expect(2**48, CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout=10.0)
     tx = sender.start_send(sender.connect(receiver.address()), next(_ids), 4, timeout=10.0)
     with pytest.raises(ValueError, match=r"header and layout say torch.float32 \(4, 16, 3, 64\)"):
         tx.send_layer(0, torch.zeros(4, 16, 3, 32), torch.zeros(4, 16, 3, 32))
@@ -272,3 +275,5 @@ def test_layout_of_every_kind_is_the_transport_layout() -> None:
     layout = KVLayout("m", torch.float32, 16, 2, 1, 8)
     with pytest.raises(ValueError, match="unknown KV transport 'tcp'"):
         create_transport("tcp", layout)
+    with pytest.raises(ValueError, match="NCCL KV transport is experimental"):
+        create_transport("nccl", layout)

@@ -9,15 +9,20 @@ import pytest
 import torch
 
 from pdserve.transfer import HeaderMismatchError, LayerHeader
-from pdserve.transfer.header import HEADER_NBYTES, pack_address, read_header, write_message
-from pdserve.transfer.nccl import (
+from pdserve.transfer.experimental.nccl import (
     NCCLTransport,
     check_hello,
     make_reply,
     recv_frames,
     send_frames,
 )
-from pdserve.transfer.nccl_lib import UNIQUE_ID_BYTES, NCCLError, NCCLLibrary, find_libnccl
+from pdserve.transfer.experimental.nccl_lib import (
+    UNIQUE_ID_BYTES,
+    NCCLError,
+    NCCLLibrary,
+    find_libnccl,
+)
+from pdserve.transfer.header import HEADER_NBYTES, pack_address, read_header, write_message
 from tests.transfer.peers import default_layout, layer_kv
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

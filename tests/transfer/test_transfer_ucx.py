@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from pdserve.transfer import (
+    CallbackDestination,
     HeaderMismatchError,
     PeerUnreachableError,
+    PoolDestination,
     TransferTimeoutError,
     create_transport,
     gather_into,
-    scatter_into,
 )
 from pdserve.transfer.header import pack_address, unpack_address
 from pdserve.transfer.ucx import UCXTransport
@@ -117,7 +118,7 @@ def test_blocks_in_one_run_on_both_sides_land_byte_exact(
 ) -> None:
     """As workers with fresh allocators do it: the prefill side gathers one run of blocks per
     layer (gather_into), the decode side lands each message in one run of its own
-    (scatter_into): a copy per pool in C."""
+    (PoolDestination): a copy per pool in C."""
     sender, receiver = sender_for(senders, dtype), receiver_for(receivers, dtype)
     tid = next(_ids)
     receiver.expect(tid, seed=tid, run=True)
@@ -208,7 +209,10 @@ def test_sender_killed_with_messages_in_flight_fails_cleanly_and_receiver_lives_
         proc.join(peers.TIMEOUT)
         timeout = 1.0
         start = time.monotonic()
-        transfers = [receiver.expect(t, NUM_BLOCKS, lambda *_: None, timeout) for t in tids]
+        transfers = [
+            receiver.expect(t, CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout)
+            for t in tids
+        ]
         for transfer in transfers:
             with pytest.raises(TransferTimeoutError):
                 transfer.wait()
@@ -230,7 +234,7 @@ def expect_local(receiver: UCXTransport, tid: int, timeout: float = 20.0):  # no
     pools = Pools(receiver.layout, POOL_BLOCKS)
     ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed=tid + 7919)
     return (
-        receiver.expect(tid, NUM_BLOCKS, scatter_into(pools.k, pools.v, ids), timeout),
+        receiver.expect(tid, PoolDestination(pools.k, pools.v, ids), timeout),
         pools,
         ids,
     )
@@ -280,7 +284,9 @@ def test_late_messages_of_a_failed_transfer_are_drained() -> None:
     try:
         tid = next(_ids)
         landed = threading.Event()
-        transfer = receiver.expect(tid, NUM_BLOCKS, lambda *_: landed.set(), timeout=0.2)
+        transfer = receiver.expect(
+            tid, CallbackDestination(NUM_BLOCKS, lambda *_: landed.set()), timeout=0.2
+        )
         with pytest.raises(TransferTimeoutError):
             transfer.wait()
         peer = sender.connect(receiver.address())
@@ -289,7 +295,7 @@ def test_late_messages_of_a_failed_transfer_are_drained() -> None:
             fut.result(5.0 + SLACK_S)
         assert peer.alive and not landed.is_set()
         with pytest.raises(ValueError, match="in use"):
-            receiver.expect(tid, NUM_BLOCKS, lambda *_: None, timeout=1.0)
+            receiver.expect(tid, CallbackDestination(NUM_BLOCKS, lambda *_: None), timeout=1.0)
     finally:
         sender.close()
         receiver.close()

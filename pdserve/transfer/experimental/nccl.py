@@ -1,5 +1,8 @@
 """KV transport over NCCL, GPU to GPU: one two-rank communicator per (prefill, decode) pair.
 
+EXPERIMENTAL: not wired to any service (see ``experimental/__init__.py``); ``create_transport``
+refuses "nccl". Construct ``NCCLTransport`` directly to try it.
+
 WHAT RAN, AND WHAT DID NOT. On the CPU-only machines this was written on: loading libnccl.so.2
 from the nvidia-nccl-cu12 wheel, ncclGetVersion, ncclGetUniqueId, the handshake messages against
 a stub peer, and the framing of a layer into header and payload buffers. NOT RUN: creating a
@@ -37,17 +40,14 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer.base import (
-    KVTransport,
-    LayerCallback,
-    PeerHandle,
+from pdserve.transfer.base import KVTransport, PeerHandle, check_layer
+from pdserve.transfer.errors import (
+    HeaderMismatchError,
     PeerUnreachableError,
-    RecvTransfer,
     TransferError,
     TransferTimeoutError,
-    check_layer,
 )
-from pdserve.transfer.errors import HeaderMismatchError
+from pdserve.transfer.experimental.nccl_lib import UNIQUE_ID_BYTES, NCCLLibrary
 from pdserve.transfer.header import (
     HEADER_NBYTES,
     PROTOCOL_VERSION,
@@ -59,7 +59,8 @@ from pdserve.transfer.header import (
     write_message,
 )
 from pdserve.transfer.loop import LoopThread
-from pdserve.transfer.nccl_lib import UNIQUE_ID_BYTES, NCCLLibrary
+from pdserve.transfer.pool_copy import KVDestination
+from pdserve.transfer.recv_transfer import RecvTransfer
 
 HELLO = struct.Struct(f"<4sH16s16s{UNIQUE_ID_BYTES}s")  # magic, version, layout, receiver, id
 HELLO_MAGIC, REPLY_MAGIC = b"PDNH", b"PDNR"
@@ -188,12 +189,8 @@ class NCCLTransport(KVTransport):
         if transfer is not None:
             transfer.deliver(buf)
 
-    def expect(
-        self, transfer_id: int, num_blocks: int, on_layer: LayerCallback, timeout: float
-    ) -> RecvTransfer:
-        transfer = RecvTransfer(
-            self.layout, transfer_id, num_blocks, on_layer, timeout, self._loop.loop
-        )
+    def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
+        transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._loop.loop)
         self._loop.call(self._start_recv, transfer)
         return transfer
 
