@@ -10,6 +10,7 @@ its own; tests drive the cluster from the main thread with the blocking ``pdserv
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
 import threading
@@ -89,10 +90,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 
 class LoopThread:
-    """An asyncio event loop running in a thread; ``run`` hands it a coroutine and waits."""
+    """An asyncio event loop running in a thread; ``run`` hands it a coroutine and waits.
+
+    What the loop would log as unhandled (a task's or future's exception nobody retrieved) is kept
+    in ``errors`` instead, and the cluster's test fails on it."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.errors: list[dict[str, Any]] = []
+        self.loop.set_exception_handler(lambda _loop, context: self.errors.append(context))
         self._thread = threading.Thread(target=self.loop.run_forever, name="servers", daemon=True)
         self._thread.start()
 
@@ -178,12 +184,16 @@ class Cluster:
         return value or 0.0
 
     def close(self) -> None:
+        """Stop everything; fails if the servers' loop had an exception nobody handled."""
         try:
             for w in self.workers.values():
                 self.loop.run(w.stop(grace=0))
             self.loop.run(self.gateway.stop(grace=0))
         finally:
             self.loop.close()
+        gc.collect()  # a future's unretrieved exception is reported when it is collected
+        unhandled = [f"{e.get('message')}: {e.get('exception')!r}" for e in self.loop.errors]
+        assert not unhandled, f"unhandled in the servers' event loop: {unhandled}"
 
 
 def start_cluster(
