@@ -15,6 +15,7 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import torch
@@ -98,6 +99,11 @@ def kv_layout(engine: LLMEngine, model_name: str):
     )
 
 
+class RegistrationRefusedError(RuntimeError):
+    """The gateway refused this worker (its KV layout differs from its peers', say): the message
+    is the gateway's reason. The ``pdserve <role>`` process prints it and exits with code 2."""
+
+
 class Registration:
     """Register with the gateway, then heartbeat at a third of the lease; re-register when the
     gateway forgot this worker (its lease ran out, or the gateway restarted)."""
@@ -114,17 +120,12 @@ class Registration:
         self.period = 1.0
 
     async def register(self) -> None:
-        """Raises SystemExit with the gateway's reason when it refuses this worker."""
+        """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
         try:
             resp = await self.stub.Register(self.request, timeout=10)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                print(
-                    f"pdserve {self.request.role}: gateway refused registration: {e.details()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(2) from None
+                raise RegistrationRefusedError(e.details()) from None
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
 
@@ -193,14 +194,16 @@ class WorkerServer:
         self.port = 0
         self.address = ""  # what the gateway dials (``advertised_address``)
         self.metrics_address = "-"  # /metrics host:port, "-" when off
-        # Heartbeats; the task ends only when the gateway refuses this worker (SystemExit).
+        # Heartbeats: the task ends only when the gateway refuses this worker
+        # (RegistrationRefusedError).
         self.registration: asyncio.Task[None] | None = None
         self._registration: Registration | None = None
         self._stopped = False
 
     @classmethod
     async def start(cls, opts: WorkerOptions) -> WorkerServer:
-        """Load the engine, serve, register; raises SystemExit(2) when the gateway refuses it."""
+        """Load the engine, serve, register; RegistrationRefusedError (stopped again) when the
+        gateway refuses it."""
         engine, layout, worker, server = _worker_parts(opts)
         served = cls(opts, engine, worker, server)
         try:
@@ -309,7 +312,7 @@ class GatewayServer:
 
 
 async def _until_signalled_or(task: asyncio.Task[None] | None) -> None:
-    """Until SIGINT/SIGTERM, or until ``task`` ends (its exception, e.g. SystemExit, propagates)."""
+    """Until SIGINT/SIGTERM, or until ``task`` ends (its exception propagates)."""
     if task is None:
         await _until_signalled()
         return
@@ -323,7 +326,10 @@ async def _until_signalled_or(task: asyncio.Task[None] | None) -> None:
 async def serve_worker(opts: WorkerOptions) -> None:
     """``pdserve prefill|decode|colocated``: serve until signalled (or refused by the gateway)."""
     telemetry.setup(opts.telemetry or telemetry.TelemetryConfig(opts.role))
-    server = await WorkerServer.start(opts)
+    try:
+        server = await WorkerServer.start(opts)
+    except RegistrationRefusedError as e:
+        _refused(opts.role, e)
     _ready(opts.role, server.address, server.metrics_address)
     telemetry.logger().info(
         "worker.ready",
@@ -335,9 +341,16 @@ async def serve_worker(opts: WorkerOptions) -> None:
     )
     try:
         await _until_signalled_or(server.registration)
+    except RegistrationRefusedError as e:  # on re-registering, after the gateway forgot us
+        _refused(opts.role, e)
     finally:
         await server.stop(grace=1.0)
         telemetry.shutdown()
+
+
+def _refused(role: str, e: RegistrationRefusedError) -> NoReturn:
+    print(f"pdserve {role}: gateway refused registration: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:

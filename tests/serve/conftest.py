@@ -143,12 +143,14 @@ class Cluster:
     def address(self) -> str:
         return self.gateway.address
 
-    def start_worker(self, name: str, role: str, max_num_seqs: int = 64) -> WorkerServer:
+    def start_worker(
+        self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
+    ) -> WorkerServer:
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
             threads=1,
-            cache=CacheConfig(block_size=16, kv_cache_bytes=KV_CACHE_BYTES),
+            cache=CacheConfig(block_size=block_size, kv_cache_bytes=KV_CACHE_BYTES),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         )
         opts = WorkerOptions(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from pdserve.services.main import RegistrationRefusedError
 
 from pdserve import Client, SamplingParams
 from tests.helpers import assert_no_leaks, wait_until
@@ -59,4 +60,14 @@ def test_a_decode_worker_lost_mid_stream_ends_the_stream_with_unavailable(cluste
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "worker failed mid-stream after the first token" in err.value.details()
     assert c.gateway_metric("pdserve_retries_total") == 0
+    assert_no_leaks(c.live())
+
+
+def test_a_worker_with_another_kv_layout_is_refused_at_registration(cluster):
+    c = cluster(prefill=0, decode=1)
+    with pytest.raises(RegistrationRefusedError) as err:
+        c.start_worker("prefill-32", "prefill", block_size=32)
+    assert "has KV layout" in str(err.value)
+    assert "start every worker with the same model, dtype and block size" in str(err.value)
+    assert [w.role for w in c.gateway.registry.workers.values()] == ["decode"]
     assert_no_leaks(c.live())
