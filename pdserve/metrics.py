@@ -19,6 +19,7 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
 from __future__ import annotations
 
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -30,6 +31,7 @@ BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(1, 11))  # 4 KiB .. 1 Gi
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._http: WSGIServer | None = None  # /metrics, once served
         self.requests = Counter(
             "pdserve_requests",
             "Requests ended, by outcome: ok or the gRPC status code",
@@ -54,8 +56,15 @@ class _Metrics:
 
     def serve(self, host: str, port: int) -> str:
         """Serve ``/metrics`` over HTTP on ``host:port`` (0 picks a port); returns the address."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return f"{host}:{server.server_port}"
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"{host}:{self._http.server_port}"
+
+    def close(self) -> None:
+        """Stop serving ``/metrics`` (if ``serve`` was called); idempotent."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()
 
 
 class GatewayMetrics(_Metrics):

@@ -1,7 +1,10 @@
-"""Process entry points: ``pdserve gateway | prefill | decode | colocated``.
+"""Servers and process entry points: ``pdserve gateway | prefill | decode | colocated``.
 
-Each prints one line ``READY <role> <host:port>`` on stdout once it serves (``pdserve up`` and the
-end-to-end tests wait for it), and stops cleanly on SIGINT/SIGTERM.
+``WorkerServer`` and ``GatewayServer`` start in the running event loop and stop on request; the
+in-process tests (tests/serve) run a whole cluster of them in one loop. ``serve_worker`` and
+``serve_gateway`` are the processes: each starts one, prints one line ``READY <role> <host:port>``
+on stdout once it serves (``pdserve up`` and the end-to-end tests wait for it), and stops it
+cleanly on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import torch
@@ -95,12 +99,18 @@ def kv_layout(engine: LLMEngine, model_name: str):
     )
 
 
+class RegistrationRefusedError(RuntimeError):
+    """The gateway refused this worker (its KV layout differs from its peers', say): the message
+    is the gateway's reason. The ``pdserve <role>`` process prints it and exits with code 2."""
+
+
 class Registration:
     """Register with the gateway, then heartbeat at a third of the lease; re-register when the
     gateway forgot this worker (its lease ran out, or the gateway restarted)."""
 
     def __init__(self, gateway: str, worker_id: str, role: str, address: str, layout) -> None:
-        self.stub = worker_pb2_grpc.RegistryStub(rpc.channel(gateway))
+        self.channel = rpc.channel(gateway)
+        self.stub = worker_pb2_grpc.RegistryStub(self.channel)
         self.request = worker_pb2.RegisterRequest(
             worker_id=worker_id,
             role=role,
@@ -110,17 +120,12 @@ class Registration:
         self.period = 1.0
 
     async def register(self) -> None:
-        """Raises SystemExit with the gateway's reason when it refuses this worker."""
+        """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
         try:
             resp = await self.stub.Register(self.request, timeout=10)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                print(
-                    f"pdserve {self.request.role}: gateway refused registration: {e.details()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(2) from None
+                raise RegistrationRefusedError(e.details()) from None
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
 
@@ -135,7 +140,8 @@ class Registration:
                 continue  # the gateway is away; keep trying
 
 
-async def serve_worker(opts: WorkerOptions) -> None:
+def _worker_parts(opts: WorkerOptions):
+    """A worker's engine, KV layout, worker and gRPC server, none of them started yet."""
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.decode.worker import DecodeWorker
     from pdserve.services.prefill.servicer import PrefillServicer
@@ -143,8 +149,6 @@ async def serve_worker(opts: WorkerOptions) -> None:
 
     from pdserve.metrics import WorkerMetrics
 
-    telemetry.setup(opts.telemetry or telemetry.TelemetryConfig(opts.role))
-    log = telemetry.logger()
     engine = LLMEngine(opts.engine, detokenize=False)
     model_name = resolve_model(opts.engine.model).name
     layout = kv_layout(engine, model_name)
@@ -168,52 +172,79 @@ async def serve_worker(opts: WorkerOptions) -> None:
         worker = DecodeWorker(engine, transport, metrics)
         server = rpc.Server(["pdserve.v1.Decode"], errors=STATUS_CODES)
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
-    port = server.bind(f"{opts.host}:{opts.port}")
-    address = advertised_address(opts.host, port, opts.advertise)
-    metrics_address = _serve_metrics(metrics, opts.host, opts.metrics_port)
-    worker.start(asyncio.get_running_loop())
-    await server.start()
-    await server.set_serving(True)
-    registration = None
-    if opts.gateway:
-        reg = Registration(
-            opts.gateway, f"{opts.role}-{uuid.uuid4().hex[:8]}", opts.role, address, layout
-        )
-        await reg.register()  # READY means: registered, the gateway routes here from now on
-        registration = asyncio.create_task(reg.heartbeat_forever())
-    _ready(opts.role, address, metrics_address)
-    log.info(
-        "worker.ready",
-        role=opts.role,
-        address=address,
-        metrics=metrics_address,
-        kv_blocks=engine.allocator.num_blocks,
-        tracing=telemetry.tracing_enabled(),
-    )
-    try:
-        if registration is not None:
-            done, _ = await asyncio.wait(
-                [registration, asyncio.create_task(_until_signalled())],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            for t in done:
-                t.result()
-        else:
-            await _until_signalled()
-    finally:
-        if registration is not None:
-            registration.cancel()
-        await server.set_serving(False)
-        await server.stop(grace=1.0)
-        worker.stop()
-        telemetry.shutdown()
+    return engine, layout, worker, server
 
 
-async def serve_gateway(opts: GatewayOptions) -> None:
+class WorkerServer:
+    """A prefill, decode or colocated worker serving in the running event loop: its engine thread,
+    KV transport, gRPC server and, with ``opts.gateway``, its registration and heartbeats.
+
+    ``server = await WorkerServer.start(opts)`` returns once it serves (and is registered);
+    ``await server.stop()`` ends it. The ``pdserve <role>`` process runs one until signalled; the
+    in-process tests (tests/serve) start several in one event loop.
+    """
+
+    def __init__(self, opts: WorkerOptions, engine: LLMEngine, worker, server: rpc.Server) -> None:
+        self.opts = opts
+        self.role = opts.role
+        self.engine = engine
+        self.worker = worker  # PrefillWorker or DecodeWorker
+        self.server = server
+        self.worker_id = f"{opts.role}-{uuid.uuid4().hex[:8]}"
+        self.port = 0
+        self.address = ""  # what the gateway dials (``advertised_address``)
+        self.metrics_address = "-"  # /metrics host:port, "-" when off
+        # Heartbeats: the task ends only when the gateway refuses this worker
+        # (RegistrationRefusedError).
+        self.registration: asyncio.Task[None] | None = None
+        self._registration: Registration | None = None
+        self._stopped = False
+
+    @classmethod
+    async def start(cls, opts: WorkerOptions) -> WorkerServer:
+        """Load the engine, serve, register; RegistrationRefusedError (stopped again) when the
+        gateway refuses it."""
+        engine, layout, worker, server = _worker_parts(opts)
+        served = cls(opts, engine, worker, server)
+        try:
+            served.port = port = server.bind(f"{opts.host}:{opts.port}")
+            served.address = address = advertised_address(opts.host, port, opts.advertise)
+            served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
+            worker.start(asyncio.get_running_loop())
+            await server.start()
+            await server.set_serving(True)
+            if opts.gateway:
+                reg = served._registration = Registration(
+                    opts.gateway, served.worker_id, opts.role, address, layout
+                )
+                await reg.register()  # started means: registered, the gateway routes here now
+                served.registration = asyncio.create_task(reg.heartbeat_forever())
+        except BaseException:
+            await served.stop()
+            raise
+        return served
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop heartbeats, stop serving (calls in flight get ``grace`` seconds), stop the engine
+        thread, close the transport and /metrics; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.registration is not None:
+            self.registration.cancel()
+        await self.server.set_serving(False)
+        await self.server.stop(grace=grace)
+        self.worker.stop()
+        self.worker.metrics.close()
+        if self._registration is not None:
+            await self._registration.channel.close()
+
+
+def _gateway_parts(opts: GatewayOptions):
+    """The gateway, its worker registry and its gRPC server, not started yet."""
     from pdserve.services.gateway.gateway import Gateway
     from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
-    telemetry.setup(opts.telemetry)
     folder = resolve_model(opts.model)
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -227,15 +258,103 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     )
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
     worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
-    port = server.bind(f"{opts.host}:{opts.port}")
-    metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
-    await server.start()
-    await server.set_serving(True)
-    _ready("gateway", f"{opts.host}:{port}", metrics_address)
+    return gateway, registry, server
+
+
+class GatewayServer:
+    """The gateway serving in the running event loop: the public Generation API and the Registry
+    workers register with. ``server = await GatewayServer.start(opts)``; ``await server.stop()``."""
+
+    def __init__(self, opts: GatewayOptions, gateway, registry, server: rpc.Server) -> None:
+        self.opts = opts
+        self.gateway = gateway  # services.gateway.gateway.Gateway
+        self.registry = registry  # services.gateway.registry.WorkerRegistry
+        self.server = server
+        self.port = 0
+        self.metrics_address = "-"  # /metrics host:port, "-" when off
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.opts.host}:{self.port}"
+
+    @classmethod
+    async def start(cls, opts: GatewayOptions) -> GatewayServer:
+        gateway, registry, server = _gateway_parts(opts)
+        served = cls(opts, gateway, registry, server)
+        try:
+            served.port = server.bind(f"{opts.host}:{opts.port}")
+            served.metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
+            await server.start()
+            await server.set_serving(True)
+        except BaseException:
+            await served.stop()
+            raise
+        return served
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (calls in flight get ``grace`` seconds), close /metrics and the channels
+        to workers; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.server.stop(grace=grace)
+        self.gateway.metrics.close()
+        for w in list(self.registry.workers.values()):
+            await w.channel.close()
+
+
+async def _until_signalled_or(task: asyncio.Task[None] | None) -> None:
+    """Until SIGINT/SIGTERM, or until ``task`` ends (its exception propagates)."""
+    if task is None:
+        await _until_signalled()
+        return
+    done, _ = await asyncio.wait(
+        [task, asyncio.create_task(_until_signalled())], return_when=asyncio.FIRST_COMPLETED
+    )
+    for t in done:
+        t.result()
+
+
+async def serve_worker(opts: WorkerOptions) -> None:
+    """``pdserve prefill|decode|colocated``: serve until signalled (or refused by the gateway)."""
+    telemetry.setup(opts.telemetry or telemetry.TelemetryConfig(opts.role))
+    try:
+        server = await WorkerServer.start(opts)
+    except RegistrationRefusedError as e:
+        _refused(opts.role, e)
+    _ready(opts.role, server.address, server.metrics_address)
+    telemetry.logger().info(
+        "worker.ready",
+        role=opts.role,
+        address=server.address,
+        metrics=server.metrics_address,
+        kv_blocks=server.engine.allocator.num_blocks,
+        tracing=telemetry.tracing_enabled(),
+    )
+    try:
+        await _until_signalled_or(server.registration)
+    except RegistrationRefusedError as e:  # on re-registering, after the gateway forgot us
+        _refused(opts.role, e)
+    finally:
+        await server.stop(grace=1.0)
+        telemetry.shutdown()
+
+
+def _refused(role: str, e: RegistrationRefusedError) -> NoReturn:
+    print(f"pdserve {role}: gateway refused registration: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
+async def serve_gateway(opts: GatewayOptions) -> None:
+    """``pdserve gateway``: serve until signalled."""
+    telemetry.setup(opts.telemetry)
+    server = await GatewayServer.start(opts)
+    _ready("gateway", server.address, server.metrics_address)
     telemetry.logger().info(
         "gateway.ready",
-        address=f"{opts.host}:{port}",
-        metrics=metrics_address,
+        address=server.address,
+        metrics=server.metrics_address,
         policy=opts.config.policy,
         tracing=telemetry.tracing_enabled(),
     )

@@ -41,6 +41,11 @@ async def _settled(recv: RecvTransfer) -> None:
         pass
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 @dataclass
 class Admission:
     request_id: str
@@ -199,11 +204,13 @@ class DecodeWorker:
     async def _received(self, adm: Admission) -> TransferStats:
         """Until the KV has landed; records ``decode.kv_receive`` under the sender's span."""
         recv = adm.recv
+        landed = asyncio.wrap_future(recv.future)
+        # A request cancelled while it waits leaves ``landed`` to end later (release() fails it):
+        # its outcome is retrieved then, or asyncio logs "exception was never retrieved".
+        landed.add_done_callback(_retrieve)
         try:
             # shield: a cancelled request must not cancel the transport's future (release() ends it)
-            stats = await asyncio.shield(
-                asyncio.wrap_future(recv.future)
-            )  # TransferError propagates
+            stats = await asyncio.shield(landed)  # TransferError propagates
         except TransferError as e:
             self.metrics.transfer_failures.labels("recv").inc()
             self.metrics.request_ended("error")

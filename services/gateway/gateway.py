@@ -141,7 +141,9 @@ class Gateway:
         tried: set[str] = set()  # failed for this request: not asked again
         full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once it frees
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + (timeout if timeout is not None else cfg.queue_timeout_s)
+        # Queue at most queue_timeout_s, and never past the request's own deadline.
+        queue_s = cfg.queue_timeout_s if timeout is None else min(timeout, cfg.queue_timeout_s)
+        give_up_at = loop.time() + queue_s
         last_error = "no worker is registered"
         attempts = 0
         tries = itertools.count()
@@ -155,7 +157,7 @@ class Gateway:
                 if loop.time() >= give_up_at:
                     raise GatewayError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"every decode worker stayed full for {cfg.queue_timeout_s:g} s",
+                        f"every decode worker stayed full for {queue_s:g} s",
                     )
                 self.metrics.waiting.inc()
                 try:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import grpc
 from pdserve.services.launcher import start_process
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2
+from tests.helpers import worker_stats
 
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 WORKER_ARGS = ["--threads", "1", "--kv-cache-bytes", "256M", "--max-num-seqs", "64"]
@@ -37,25 +36,11 @@ class Cluster:
 
     def stats(self, name: str) -> worker_pb2.WorkerStats:
         _, address, role = self.workers[name]
-        with grpc.insecure_channel(address) as ch:
-            stub = (
-                worker_pb2_grpc.PrefillStub(ch)
-                if role == "prefill"
-                else worker_pb2_grpc.DecodeStub(ch)
-            )
-            return stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+        return worker_stats(address, role)
 
-    def wait_all_free(self, timeout: float) -> dict[str, worker_pb2.WorkerStats]:
-        """Poll the workers' Stats RPC until every KV block is free (or the timeout passes)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = {n: self.stats(n) for n, (p, _, _) in self.workers.items() if p.poll() is None}
-            if (
-                all(s.num_free_blocks == s.num_total_blocks for s in stats.values())
-                or time.monotonic() > deadline
-            ):
-                return stats
-            time.sleep(0.05)
+    def live(self) -> dict[str, tuple[str, str]]:
+        """name -> (address, role) of the workers still running: what ``assert_no_leaks`` takes."""
+        return {n: (a, role) for n, (p, a, role) in self.workers.items() if p.poll() is None}
 
     def kill(self, name: str) -> None:
         proc = self.workers.pop(name)[0]

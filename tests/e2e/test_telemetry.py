@@ -19,6 +19,7 @@ from pdserve.transfer import KVLayout
 from pdserve.transfer.header import HEADER_NBYTES
 from pdserve.transfer.plan import plan_nbytes
 from tests.e2e.cluster import start_cluster
+from tests.helpers import assert_no_leaks
 
 SECRET = "zebra quokka marmalade"  # a prompt that must never appear in the logs
 SPAN_NAMES = {
@@ -237,7 +238,7 @@ def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
             )
         with pytest.raises(grpc.RpcError):
             client.complete([], SamplingParams(max_tokens=1))
-    c.wait_all_free(timeout=5)
+    assert_no_leaks(c.live())
     after = {n: _scrape(c.metrics[n]) for n in names}
     g, p, d = ((before[n], after[n]) for n in names)
     num, outs, prompts = len(jobs), sum(n for _, n in jobs), sum(len(ids) for ids, _ in jobs)

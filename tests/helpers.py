@@ -1,0 +1,60 @@
+"""Checks shared by the in-process tier (tests/serve) and the real-process tier (tests/e2e)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+
+def worker_stats(address: str, role: str, timeout: float = 5.0) -> worker_pb2.WorkerStats:
+    """A worker's Stats RPC (blocking: call it from a thread that is not the servers' loop)."""
+    with grpc.insecure_channel(address) as ch:
+        stub = (
+            worker_pb2_grpc.PrefillStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeStub(ch)
+        )
+        return stub.Stats(worker_pb2.StatsRequest(), timeout=timeout)
+
+
+def _leaks(s: worker_pb2.WorkerStats) -> bool:
+    return (
+        s.num_free_blocks != s.num_total_blocks
+        or s.num_running
+        or s.num_waiting
+        or s.outstanding_tokens
+    )
+
+
+def assert_no_leaks(
+    workers: Mapping[str, tuple[str, str]], timeout: float = 5.0
+) -> dict[str, worker_pb2.WorkerStats]:
+    """Every worker (name -> (address, role)) says over its Stats RPC that all its KV blocks are
+    free and nothing runs or waits there. Polled until ``timeout``: a finished or cancelled
+    request's blocks are freed asynchronously (after its transfer settles). Returns the stats."""
+    assert workers, "no worker to check"
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {name: worker_stats(address, role) for name, (address, role) in workers.items()}
+        leaking = {name: s for name, s in stats.items() if _leaks(s)}
+        if not leaking:
+            return stats
+        if time.monotonic() > deadline:
+            detail = "; ".join(
+                f"{name}: {s.num_free_blocks}/{s.num_total_blocks} blocks free, "
+                f"{s.num_running} running, {s.num_waiting} waiting, "
+                f"{s.outstanding_tokens} outstanding tokens"
+                for name, s in leaking.items()
+            )
+            raise AssertionError(f"leaked after {timeout:g} s: {detail}")
+        time.sleep(0.02)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)

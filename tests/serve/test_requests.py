@@ -1,0 +1,172 @@
+"""Requests through the public API of one shared cluster (2 prefill + 2 decode): outputs, stop
+strings, cancel, bad input. Each test leaves every worker idle, with every block free."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import grpc
+import pytest
+
+from pdserve import LLM, Client, SamplingParams
+from pdserve.config import CacheConfig
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.helpers import assert_no_leaks, worker_stats
+
+
+def test_greedy_outputs_equal_the_offline_engine(shared_cluster, tiny_model_dir):
+    c = shared_cluster
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(1, 70))] for _ in range(12)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(
+        str(tiny_model_dir), dtype="float32", threads=1, cache=CacheConfig(kv_cache_bytes=8 << 20)
+    )
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with (
+        Client(c.address, timeout=30) as client,
+        concurrent.futures.ThreadPoolExecutor(6) as pool,
+    ):
+        got = list(pool.map(lambda p: list(client.complete(p, params).token_ids), prompts))
+    assert got == expected
+    assert_no_leaks(c.live())
+
+
+def test_concurrent_streams_of_mixed_lengths_complete_and_release_every_block(shared_cluster):
+    c = shared_cluster
+    rng = random.Random(1)
+    jobs = [
+        ([rng.randrange(3, 49152) for _ in range(rng.randint(1, 90))], rng.randint(1, 40))
+        for _ in range(32)
+    ]
+
+    def run(job):
+        prompt, n = job
+        with Client(c.address, timeout=30) as client:
+            deltas = list(
+                client.generate_stream(
+                    prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                )
+            )
+        return sum(len(d.token_ids) for d in deltas), deltas[-1].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    assert results == [(n, "length") for _, n in jobs]
+    assert_no_leaks(c.live())
+
+
+def test_stop_string_ends_the_output_before_it(shared_cluster):
+    c = shared_cluster
+    prompt = "Tell me about the sea."
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Client(c.address, timeout=30) as client:
+        full = client.complete(prompt, params).text
+        # A piece of the output that first appears half way: the output must end right before it.
+        start = next(
+            i
+            for i in range(len(full) // 2, len(full) - 3)
+            if full.find(full[i : i + 3]) == i and full[i : i + 3].isprintable()
+        )
+        stop = full[start : start + 3]
+        stopped = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+        out = client.complete(prompt, stopped)
+        deltas = list(client.generate_stream(prompt, stopped))
+    assert (out.text, out.finish_reason) == (full[:start], "stop")
+    assert "".join(d.text for d in deltas) == full[:start]
+    assert deltas[-1].finish_reason == "stop"
+    assert_no_leaks(c.live())  # the decode worker was told to stop early: its blocks are free
+
+
+def test_client_cancel_mid_stream_frees_blocks_on_both_workers(shared_cluster):
+    c = shared_cluster
+    with Client(c.address, timeout=30) as client:
+        stream = client.generate_stream(
+            "Tell me a very long story about the sea.",
+            SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True),
+        )
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        used = {
+            n: s.num_total_blocks - s.num_free_blocks
+            for n, s in ((n, worker_stats(*a)) for n, a in c.live().items())
+        }
+        assert sum(used.values()) > 0, used  # the request holds decode blocks now
+        stream.cancel()
+    assert_no_leaks(c.live())
+
+
+def _complete(gateway: str, **kw) -> generation_pb2.CompleteResponse:
+    with grpc.insecure_channel(gateway) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        return stub.Complete(generation_pb2.GenerateRequest(**kw), timeout=30)
+
+
+@pytest.mark.parametrize(
+    "kw, code, message",
+    [
+        (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens must be an integer >= 1",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=100000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "exceeds this model's context of 4096 tokens",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature must be >= 0",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(top_p=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (
+            dict(text="hi", model="gpt-17"),
+            grpc.StatusCode.NOT_FOUND,
+            "model 'gpt-17' is not served here",
+        ),
+        (
+            dict(token_ids=generation_pb2.TokenIds(ids=[5] * 5000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt has 5000 tokens",
+        ),
+        (
+            dict(token_ids=generation_pb2.TokenIds(ids=[5, 49152])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt token id 49152 is outside the vocabulary [0, 49152)",
+        ),
+        (dict(text="x" * (10 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+        (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no prompt"),
+    ],
+)
+def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
+    shared_cluster, kw, code, message
+):
+    c = shared_cluster
+    with pytest.raises(grpc.RpcError) as err:
+        _complete(c.address, **kw)
+    assert err.value.code() == code
+    assert message in err.value.details()
+    ok = _complete(
+        c.address, text="Hello", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)
+    )
+    assert len(ok.token_ids) == 2
+    assert_no_leaks(c.live())
+
+
+def test_list_models(shared_cluster):
+    with Client(shared_cluster.address) as client:
+        assert client.list_models() == ["tiny-llama"]

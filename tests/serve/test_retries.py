@@ -1,0 +1,73 @@
+"""Workers that fail: before the first token the gateway retries on another pair, after it the
+client gets UNAVAILABLE. A failed worker is a real one: its gRPC server is stopped while the
+gateway still lists it (its lease has not run out)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pdserve.services.main import RegistrationRefusedError
+
+from pdserve import Client, SamplingParams
+from tests.helpers import assert_no_leaks, wait_until
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4 + i] for i in range(4)]
+
+
+@pytest.mark.parametrize("failed", ["prefill-0", "decode-0"])
+def test_a_worker_that_fails_before_the_first_token_is_retried_on_another(cluster, failed):
+    c = cluster()
+    with Client(c.address, timeout=30) as client:
+        expected = [list(client.complete(p, PARAMS).token_ids) for p in PROMPTS]
+        other = failed[:-1] + "1"
+        wait_until(lambda: c.served(other) == c.served(failed) == 2, 5, "the workers to take turns")
+        c.stop_worker(failed)
+        before = c.gateway_metric("pdserve_retries_total")
+        got = [list(client.complete(p, PARAMS).token_ids) for p in PROMPTS]
+    assert got == expected
+    # least_loaded: idle workers take turns, so the failed one is tried by the first or second
+    # request; then it counts one failure and is not picked again while another is idle.
+    assert c.gateway_metric("pdserve_retries_total") - before == 1
+    assert c.gateway_metric("pdserve_requests_total", outcome="ok") == 2 * len(PROMPTS)
+    wait_until(lambda: c.served(other) == 2 + len(PROMPTS), 5, f"{other} to serve the rest")
+    assert_no_leaks(c.live())  # the decode worker admitted the failed try, then freed it
+
+
+def test_when_every_pair_fails_the_client_gets_unavailable(cluster):
+    c = cluster(prefill=1, decode=2)
+    c.stop_worker("decode-0")
+    c.stop_worker("decode-1")
+    with Client(c.address, timeout=30) as client, pytest.raises(grpc.RpcError) as err:
+        client.complete([1, 2, 3], PARAMS)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no worker could serve the request: decode worker" in err.value.details()
+    assert c.gateway_metric("pdserve_retries_total") == 2
+    assert_no_leaks(c.live())
+
+
+def test_a_decode_worker_lost_mid_stream_ends_the_stream_with_unavailable(cluster):
+    c = cluster(prefill=1, decode=1)
+    with Client(c.address, timeout=30) as client:
+        stream = client.generate_stream(
+            [5, 6, 7], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+        )
+        next(stream), next(stream)
+        c.stop_worker("decode-0")
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "worker failed mid-stream after the first token" in err.value.details()
+    assert c.gateway_metric("pdserve_retries_total") == 0
+    assert_no_leaks(c.live())
+
+
+def test_a_worker_with_another_kv_layout_is_refused_at_registration(cluster):
+    c = cluster(prefill=0, decode=1)
+    with pytest.raises(RegistrationRefusedError) as err:
+        c.start_worker("prefill-32", "prefill", block_size=32)
+    assert "has KV layout" in str(err.value)
+    assert "start every worker with the same model, dtype and block size" in str(err.value)
+    assert [w.role for w in c.gateway.registry.workers.values()] == ["decode"]
+    assert_no_leaks(c.live())
