@@ -122,7 +122,9 @@ class LoopThread:
 class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
+    def __init__(
+        self, model: Path, policy: str, queue_timeout_s: float, api_keys_file: str | None = None
+    ) -> None:
         self.model = model
         self.loop = LoopThread()
         self.gateway = self.loop.run(
@@ -130,7 +132,9 @@ class Cluster:
                 GatewayOptions(
                     model=str(model),
                     port=0,
-                    config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
+                    config=GatewayConfig(
+                        policy=policy, queue_timeout_s=queue_timeout_s, api_keys_file=api_keys_file
+                    ),
                     metrics_port=-1,
                 )
             )
@@ -205,9 +209,10 @@ def start_cluster(
     policy: str = "least_loaded",
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
+    api_keys_file: str | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s)
+    c = Cluster(model, policy, queue_timeout_s, api_keys_file)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")
