@@ -20,6 +20,7 @@ from typing import NoReturn
 import grpc
 import torch
 from pdserve.services.errors import STATUS_CODES
+from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
 
 from pdserve import rpc, telemetry
@@ -318,7 +319,7 @@ class GatewayServer:
         keys = self.gateway.keys
         try:
             n = keys.reload()
-        except ValueError as e:
+        except KeyFileError as e:
             telemetry.logger().error(
                 "auth.reload_failed", error=str(e), message="API KEYS NOT RELOADED: old keys stay"
             )
@@ -383,7 +384,11 @@ def _refused(role: str, e: RegistrationRefusedError) -> NoReturn:
 async def serve_gateway(opts: GatewayOptions) -> None:
     """``pdserve gateway``: serve until signalled."""
     telemetry.setup(opts.telemetry)
-    server = await GatewayServer.start(opts)
+    try:
+        server = await GatewayServer.start(opts)
+    except KeyFileError as e:
+        print(f"pdserve gateway: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_keys)
     _ready("gateway", server.address, server.metrics_address)
     telemetry.logger().info(

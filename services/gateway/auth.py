@@ -41,6 +41,10 @@ KEY_PREFIX = "pds_"
 _LIMITS = ("rpm", "tpm", "concurrency")
 
 
+class KeyFileError(ValueError):
+    """An API key file (or $PDSERVE_API_KEYS) that cannot be read or used; says where and why."""
+
+
 class Unauthenticated(StatusError):
     """No key, a malformed authorization header, or a key that is not configured (``reason``:
     missing, malformed, invalid)."""
@@ -107,42 +111,42 @@ def new_key() -> str:
 
 def parse_keys(text: str, source: str) -> dict[str, ApiKey]:
     """hash -> ApiKey from a key file's JSON: ``{"keys": [{"id": "alice", "hash": "sha256:<hex>",
-    "rpm": 60, "tpm": 10000, "concurrency": 4}, ...]}`` (limits optional). ValueError, naming
+    "rpm": 60, "tpm": 10000, "concurrency": 4}, ...]}`` (limits optional). KeyFileError, naming
     ``source``, for anything else."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not JSON: {e}") from None
+        raise KeyFileError(f"{source}: not JSON: {e}") from None
     entries = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f'{source}: expected {{"keys": [...]}}')
+        raise KeyFileError(f'{source}: expected {{"keys": [...]}}')
     keys: dict[str, ApiKey] = {}
     ids: set[str] = set()
     for i, e in enumerate(entries):
         where = f"{source}: keys[{i}]"
         if not isinstance(e, dict):
-            raise ValueError(f"{where}: expected an object")
+            raise KeyFileError(f"{where}: expected an object")
         unknown = set(e) - {"id", "hash", *_LIMITS}
         if unknown:
-            raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+            raise KeyFileError(f"{where}: unknown fields {sorted(unknown)}")
         key_id, h = e.get("id"), e.get("hash")
         if not isinstance(key_id, str) or not key_id:
-            raise ValueError(f"{where}: 'id' must be a non-empty string")
+            raise KeyFileError(f"{where}: 'id' must be a non-empty string")
         if key_id in ids:
-            raise ValueError(f"{where}: duplicate id {key_id!r}")
+            raise KeyFileError(f"{where}: duplicate id {key_id!r}")
         if not (
             isinstance(h, str)
             and h.startswith("sha256:")
             and len(h) == 71
             and all(c in "0123456789abcdef" for c in h[7:])
         ):
-            raise ValueError(f"{where} ({key_id}): 'hash' must be 'sha256:' + 64 lower-case hex")
+            raise KeyFileError(f"{where} ({key_id}): 'hash' must be 'sha256:' + 64 lower-case hex")
         if h in keys:
-            raise ValueError(f"{where} ({key_id}): same key as {keys[h].key_id!r}")
+            raise KeyFileError(f"{where} ({key_id}): same key as {keys[h].key_id!r}")
         try:
             limits = KeyLimits(**{n: e.get(n) for n in _LIMITS})
         except ValueError as err:
-            raise ValueError(f"{where} ({key_id}): {err}") from None
+            raise KeyFileError(f"{where} ({key_id}): {err}") from None
         ids.add(key_id)
         keys[h] = ApiKey(key_id, h, limits)
     return keys
@@ -163,7 +167,7 @@ class KeyStore:
         try:
             text = p.read_text()
         except OSError as e:
-            raise ValueError(f"cannot read the API key file {p}: {e.strerror}") from None
+            raise KeyFileError(f"cannot read the API key file {p}: {e.strerror}") from None
         return cls(parse_keys(text, str(p)), p)
 
     @property
@@ -171,10 +175,10 @@ class KeyStore:
         return self.path is not None or bool(self.keys)
 
     def reload(self) -> int:
-        """Read ``path`` again; ValueError (the old keys stay) when it cannot be used.
+        """Read ``path`` again; KeyFileError (the old keys stay) when it cannot be used.
         Returns the number of keys."""
         if self.path is None:
-            raise ValueError("the API keys came from the environment: nothing to reload")
+            raise KeyFileError("the API keys came from the environment: nothing to reload")
         self.keys = KeyStore.from_file(self.path).keys
         return len(self.keys)
 

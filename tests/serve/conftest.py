@@ -241,6 +241,20 @@ def cluster(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def module_cluster(tiny_model_dir):
+    """module_cluster(**start_cluster's options) -> a Cluster shared by the module's tests."""
+    made: list[Cluster] = []
+
+    def make(**options: Any) -> Cluster:
+        made.append(start_cluster(tiny_model_dir, **options))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture(scope="module")
 def shared_cluster(tiny_model_dir):
     """2 prefill + 2 decode workers (least_loaded), shared by a module's tests that leave every
     worker serving and idle (each ends with ``assert_no_leaks``)."""

@@ -83,7 +83,7 @@ def test_keys_add_prints_the_key_once_and_refuses_bad_limits(tmp_path, capsys):
     assert "rpm must be an integer >= 1 or absent, got 0" in capsys.readouterr().err
 
 
-def doc(*entries: dict) -> str:
+def keyfile(*entries: dict) -> str:
     return json.dumps({"keys": list(entries)})
 
 
@@ -95,13 +95,13 @@ X, Y = hash_key("x"), hash_key("y")
     [
         ("{", "not JSON"),
         ("[]", 'expected {"keys": [...]}'),
-        (doc({"hash": X}), "'id' must be a non-empty string"),
-        (doc({"id": "a", "hash": "pds_plaintext"}), "'hash' must be 'sha256:'"),
-        (doc({"id": "a", "hash": X, "tpm": -1}), "tpm must be an integer >= 1"),
-        (doc({"id": "a", "hash": X, "rpm": 1.5}), "rpm must be an integer >= 1"),
-        (doc({"id": "a", "hash": X, "key": "x"}), "unknown fields"),
-        (doc({"id": "a", "hash": X}, {"id": "a", "hash": Y}), "duplicate id 'a'"),
-        (doc({"id": "a", "hash": X}, {"id": "b", "hash": X}), "same key as 'a'"),
+        (keyfile({"hash": X}), "'id' must be a non-empty string"),
+        (keyfile({"id": "a", "hash": "pds_plaintext"}), "'hash' must be 'sha256:'"),
+        (keyfile({"id": "a", "hash": X, "tpm": -1}), "tpm must be an integer >= 1"),
+        (keyfile({"id": "a", "hash": X, "rpm": 1.5}), "rpm must be an integer >= 1"),
+        (keyfile({"id": "a", "hash": X, "key": "x"}), "unknown fields"),
+        (keyfile({"id": "a", "hash": X}, {"id": "a", "hash": Y}), "duplicate id 'a'"),
+        (keyfile({"id": "a", "hash": X}, {"id": "b", "hash": X}), "same key as 'a'"),
     ],
 )
 def test_a_bad_key_file_is_refused_with_where_and_why(doc, message):
