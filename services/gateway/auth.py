@@ -178,7 +178,7 @@ class KeyStore:
         """Read ``path`` again; KeyFileError (the old keys stay) when it cannot be used.
         Returns the number of keys."""
         if self.path is None:
-            raise KeyFileError("the API keys came from the environment: nothing to reload")
+            raise KeyFileError("no API key file was given (--api-keys): nothing to reload")
         self.keys = KeyStore.from_file(self.path).keys
         return len(self.keys)
 
