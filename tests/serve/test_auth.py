@@ -4,6 +4,7 @@ Every key has a prompt of 3 token ids, so a request's reservation is 3 + max_tok
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 
@@ -11,7 +12,9 @@ import grpc
 import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.services.gateway.auth import KeyLimits, add_key
+from pdserve.services.gateway.auth import KeyFileError, KeyLimits, add_key
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.main import GatewayOptions, GatewayServer
 from prometheus_client import generate_latest
 
 from pdserve import Client, SamplingParams
@@ -271,3 +274,13 @@ def test_without_keys_the_gateway_is_open_and_says_so_loudly(cluster, tiny_model
     with client(c, "pds_anything") as cl:  # a key is ignored, not refused
         assert cl.complete(PROMPT, params(2)).finish_reason == "length"
     assert_no_leaks(c.live())
+
+
+def test_a_gateway_with_an_unreadable_key_file_does_not_start(tiny_model_dir, tmp_path):
+    opts = GatewayOptions(
+        model=str(tiny_model_dir),
+        config=GatewayConfig(api_keys_file=str(tmp_path / "none.json")),
+        metrics_port=-1,
+    )
+    with pytest.raises(KeyFileError, match=r"cannot read the API key file .*none.json"):
+        asyncio.run(GatewayServer.start(opts))
