@@ -18,9 +18,13 @@ from pdserve.v1.convert import sampling_to_proto
 
 
 class Client:
-    def __init__(self, url: str, timeout: float | None = None) -> None:
+    """``api_key``: sent with every call as ``authorization: Bearer <key>`` (a gateway with keys
+    refuses calls without one, UNAUTHENTICATED)."""
+
+    def __init__(self, url: str, timeout: float | None = None, api_key: str | None = None) -> None:
         self.url = url.removeprefix("grpc://")
         self.timeout = timeout
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = grpc.insecure_channel(self.url)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
@@ -54,7 +58,9 @@ class Client:
         ``metadata`` goes with the call, e.g. ``(("traceparent", "00-<trace>-<span>-01"),)`` to make
         the request part of the caller's trace."""
         return self._stub.Generate(
-            self._request(prompt, params, request_id), timeout=self.timeout, metadata=metadata
+            self._request(prompt, params, request_id),
+            timeout=self.timeout,
+            metadata=(*self._auth, *metadata),
         )
 
     def complete(
@@ -65,14 +71,16 @@ class Client:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> generation_pb2.CompleteResponse:
         return self._stub.Complete(
-            self._request(prompt, params, request_id), timeout=self.timeout, metadata=metadata
+            self._request(prompt, params, request_id),
+            timeout=self.timeout,
+            metadata=(*self._auth, *metadata),
         )
 
     def list_models(self) -> list[str]:
         return [
             m.id
             for m in self._stub.ListModels(
-                generation_pb2.ListModelsRequest(), timeout=self.timeout
+                generation_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self._auth
             ).models
         ]
 

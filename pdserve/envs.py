@@ -29,3 +29,9 @@ def layer_loop_enabled() -> bool:
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def api_keys() -> str | None:
+    """The gateway's API keys as the JSON of a key file (PDSERVE_API_KEYS: hashed keys and
+    limits, as ``pdserve keys add`` writes them), used when no --api-keys file is given."""
+    return os.environ.get("PDSERVE_API_KEYS") or None

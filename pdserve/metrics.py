@@ -9,6 +9,11 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_retries_total, pdserve_{prompt,completion}_tokens_total
               pdserve_ttft_seconds, pdserve_tpot_seconds, pdserve_itl_seconds, pdserve_queue_seconds
               pdserve_requests_running, pdserve_requests_waiting
+              per API key (label ``key``: the key's id, never the key):
+              pdserve_key_requests_total{key}, pdserve_key_rejected_total{key,reason}
+              (rpm, tpm, concurrency, too_large), pdserve_key_tokens_reserved_total{key},
+              pdserve_key_tokens_used_total{key}, pdserve_key_requests_running{key}
+              pdserve_auth_failures_total{reason}      missing, malformed, invalid
     workers   pdserve_requests_total{outcome}, pdserve_generated_tokens_total
               pdserve_queue_seconds, pdserve_step_seconds{phase}
               pdserve_kv_transfer_seconds{direction}, pdserve_kv_transfer_bytes{direction}
@@ -101,6 +106,36 @@ class GatewayMetrics(_Metrics):
             "pdserve_itl_seconds",
             "Time between two streamed tokens",
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.key_requests = Counter(
+            "pdserve_key_requests", "Requests admitted, by API key id", ["key"], registry=r
+        )
+        self.key_rejected = Counter(
+            "pdserve_key_rejected",
+            "Requests refused by a key's limits: rpm, tpm, concurrency, too_large",
+            ["key", "reason"],
+            registry=r,
+        )
+        self.key_tokens_reserved = Counter(
+            "pdserve_key_tokens_reserved",
+            "Tokens reserved at admission (prompt + max_tokens), by API key id",
+            ["key"],
+            registry=r,
+        )
+        self.key_tokens_used = Counter(
+            "pdserve_key_tokens_used",
+            "Tokens used (prompt + completion) by requests that ended, by API key id",
+            ["key"],
+            registry=r,
+        )
+        self.key_running = Gauge(
+            "pdserve_key_requests_running", "Requests running, by API key id", ["key"], registry=r
+        )
+        self.auth_failures = Counter(
+            "pdserve_auth_failures",
+            "Requests refused UNAUTHENTICATED: missing, malformed, invalid",
+            ["reason"],
             registry=r,
         )
 

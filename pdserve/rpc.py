@@ -33,11 +33,16 @@ ErrorTable = Mapping[type[Exception], grpc.StatusCode]
 
 
 class StatusError(Exception):
-    """Ends an RPC with ``code`` and ``message``, exactly as given."""
+    """Ends an RPC with ``code`` and ``message``, exactly as given, and ``trailing_metadata``
+    (none here; a subclass may send some, e.g. ``retry-after``)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 def _table_code(exc: BaseException, errors: ErrorTable) -> grpc.StatusCode | None:
@@ -119,7 +124,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context, exc: Exception, method: str) -> None:
         if not isinstance(exc, StatusError) and _table_code(exc, self.errors) is None:
             telemetry.logger().error("rpc.internal_error", method=method, exc_info=exc)
-        await context.abort(*status_of(exc, self.errors))
+        trailing = exc.trailing_metadata if isinstance(exc, StatusError) else ()
+        await context.abort(*status_of(exc, self.errors), trailing_metadata=trailing)
 
 
 class Server:

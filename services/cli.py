@@ -38,6 +38,7 @@ def gateway_config(args) -> GatewayConfig:
         kv_timeout_s=args.kv_timeout,
         max_attempts=args.max_attempts,
         queue_timeout_s=args.queue_timeout,
+        api_keys_file=args.api_keys,
     )
 
 
@@ -141,8 +142,16 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
     )
+    gw.add_argument(
+        "--api-keys",
+        default=GatewayConfig.api_keys_file,
+        metavar="FILE",
+        help="hashed API keys and their limits (pdserve keys add), re-read on SIGHUP "
+        "(default: $PDSERVE_API_KEYS, else none: the gateway is open to anyone)",
+    )
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
+    _keys_commands(sub)
     for role in ROLES:
         w = sub.add_parser(role, help=f"serve a {role} worker")
         engine_args(w)
@@ -179,6 +188,54 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     h.add_argument("--service", default="", help="a service name; default: the server as a whole")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
+
+
+def cmd_keys(args) -> int:
+    """``pdserve keys add|remove``: edit a key file; ``add`` prints the new key, once."""
+    from pathlib import Path
+
+    from pdserve.services.gateway.auth import KeyLimits, add_key, remove_key
+
+    path = Path(args.file)
+    try:
+        if args.keys_command == "add":
+            limits = KeyLimits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency)
+            print(add_key(path, args.id, limits))
+            print(
+                f"added key {args.id!r} to {path}; the key above is not stored anywhere, keep it "
+                "(a running gateway reads the file again on SIGHUP)",
+                file=sys.stderr,
+            )
+        else:
+            remove_key(path, args.id)
+            print(f"removed key {args.id!r} from {path}", file=sys.stderr)
+    except ValueError as e:
+        print(f"pdserve keys: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _keys_commands(sub) -> None:
+    k = sub.add_parser("keys", help="manage the gateway's API key file")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    add = ksub.add_parser("add", help="add a key and print it (once); the file keeps its hash")
+    rm = ksub.add_parser("remove", help="remove a key by id")
+    for p in (add, rm):
+        p.add_argument("--file", required=True, help="the key file (created by add if missing)")
+        p.add_argument("--id", required=True, help="the key's name in logs and metrics")
+    add.add_argument(
+        "--rpm", type=int, default=None, help="requests per minute (default: no limit)"
+    )
+    add.add_argument(
+        "--tpm",
+        type=int,
+        default=None,
+        help="tokens per minute, prompt + max_tokens reserved at admission (default: no limit)",
+    )
+    add.add_argument(
+        "--concurrency", type=int, default=None, help="requests at once (default: no limit)"
+    )
+    k.set_defaults(func=cmd_keys)
 
 
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:

@@ -20,6 +20,7 @@ from typing import NoReturn
 import grpc
 import torch
 from pdserve.services.errors import STATUS_CODES
+from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
 
 from pdserve import rpc, telemetry
@@ -242,6 +243,7 @@ class WorkerServer:
 
 def _gateway_parts(opts: GatewayOptions):
     """The gateway, its worker registry and its gRPC server, not started yet."""
+    from pdserve.services.gateway.auth import load_keys
     from pdserve.services.gateway.gateway import Gateway
     from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
@@ -249,7 +251,12 @@ def _gateway_parts(opts: GatewayOptions):
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     gateway = Gateway(
-        Tokenizer.from_folder(folder), max_len, cfg.vocab_size, folder.name, opts.config
+        Tokenizer.from_folder(folder),
+        max_len,
+        cfg.vocab_size,
+        folder.name,
+        opts.config,
+        load_keys(opts.config.api_keys_file),
     )
     registry = gateway.registry
     server = rpc.Server(
@@ -290,7 +297,35 @@ class GatewayServer:
         except BaseException:
             await served.stop()
             raise
+        keys = gateway.keys
+        if keys.enabled:
+            telemetry.logger().info(
+                "auth.keys_loaded",
+                keys=len(keys.keys),
+                source=str(keys.path) if keys.path else "PDSERVE_API_KEYS",
+            )
+        else:
+            telemetry.logger().warning(
+                "auth.disabled",
+                message="NO API KEYS CONFIGURED: the gateway serves anyone who can reach "
+                f"{served.address}, unlimited. Give it keys with --api-keys FILE "
+                "(pdserve keys add) or $PDSERVE_API_KEYS.",
+            )
         return served
+
+    def reload_keys(self) -> bool:
+        """Read the API key file again (SIGHUP). When it cannot be used, the old keys stay and
+        the error is logged; returns whether the new keys are in force."""
+        keys = self.gateway.keys
+        try:
+            n = keys.reload()
+        except KeyFileError as e:
+            telemetry.logger().error(
+                "auth.reload_failed", error=str(e), message="API KEYS NOT RELOADED: old keys stay"
+            )
+            return False
+        telemetry.logger().info("auth.keys_reloaded", keys=n, source=str(keys.path))
+        return True
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving (calls in flight get ``grace`` seconds), close /metrics and the channels
@@ -349,7 +384,12 @@ def _refused(role: str, e: RegistrationRefusedError) -> NoReturn:
 async def serve_gateway(opts: GatewayOptions) -> None:
     """``pdserve gateway``: serve until signalled."""
     telemetry.setup(opts.telemetry)
-    server = await GatewayServer.start(opts)
+    try:
+        server = await GatewayServer.start(opts)
+    except KeyFileError as e:
+        print(f"pdserve gateway: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_keys)
     _ready("gateway", server.address, server.metrics_address)
     telemetry.logger().info(
         "gateway.ready",

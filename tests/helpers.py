@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 
 import grpc
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 def worker_stats(address: str, role: str, timeout: float = 5.0) -> worker_pb2.WorkerStats:
@@ -58,3 +60,27 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.02)
+
+
+_holds = itertools.count()
+
+
+@contextmanager
+def seat_held(address: str):
+    """Take a decode worker's seat as the gateway would (admitted, blocks reserved) and keep it,
+    its KV never sent, until the block ends: then the call is cancelled and the worker frees it."""
+    with grpc.insecure_channel(address) as ch:
+        call = worker_pb2_grpc.DecodeStub(ch).Generate(
+            worker_pb2.DecodeRequest(
+                request_id=f"hold-{next(_holds)}",
+                prompt_token_ids=[1, 2, 3],
+                sampling=common_pb2.SamplingParams(max_tokens=4),
+                kv_timeout_ms=60_000,
+            ),
+            timeout=60,
+        )
+        try:
+            assert next(call).HasField("admitted")
+            yield call
+        finally:
+            call.cancel()

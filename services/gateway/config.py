@@ -11,13 +11,16 @@ class GatewayConfig:
     listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds blocks reserved
     for a KV transfer (and the prefill call's deadline when the client set none);
     ``max_attempts``: worker pairs tried before the first token; ``queue_timeout_s``: how long a
-    request without a deadline waits while every decode worker is full."""
+    request without a deadline waits while every decode worker is full; ``api_keys_file``: the
+    JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
+    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open)."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
     kv_timeout_s: float = 30.0
     max_attempts: int = 3
     queue_timeout_s: float = 300.0
+    api_keys_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "kv_timeout_s", "queue_timeout_s"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from pdserve.services.gateway.accounting import GatewayRequest
+from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.prompt import Prompt, encode
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
@@ -79,6 +80,7 @@ class Gateway:
         vocab_size: int,
         model_name: str,
         config: GatewayConfig | None = None,
+        keys: KeyStore | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -89,7 +91,19 @@ class Gateway:
         self.router = Router(self.config.policy)
         self._capacity = asyncio.Condition()
         self.metrics = GatewayMetrics()
+        self.keys = keys or KeyStore({})  # none: open to every caller
+        self.limiter = Limiter(self.metrics)
         self._ids = itertools.count()
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The caller's key from an ``authorization`` header value (``Bearer <key>``), None when
+        the gateway has no keys (open); Unauthenticated (UNAUTHENTICATED) otherwise. Both APIs
+        call it first, then pass the key to ``generate``."""
+        try:
+            return self.keys.authenticate(authorization)
+        except Unauthenticated as e:
+            self.metrics.auth_failures.labels(e.reason).inc()
+            raise
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
         """Start accounting for a request (its span continues a traceparent in ``metadata``);
@@ -117,22 +131,38 @@ class Gateway:
         prompt: Prompt,
         params: SamplingParams,
         timeout: float | None = None,
+        caller: ApiKey | None = None,
     ) -> AsyncIterator[Delta]:
-        """Deltas of ``req`` until one carries a finish reason (and the usage). ValueError for a
-        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it."""
+        """Deltas of ``req`` until one carries a finish reason (and the usage). ``caller``: what
+        ``authenticate`` returned (None is refused when keys are configured). ValueError for a
+        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it,
+        RateLimited / RequestTooLarge when the caller's limits refuse it."""
+        if caller is None:
+            self.authenticate(None)  # refuses unless the gateway is open
         ids, prompt_text = encode(prompt, self.tokenizer)
         req.prepared(ids, params.max_tokens, prompt_text)
         validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
         text = TextStream(self.tokenizer, ids, params.stop)
+        # prompt + max_tokens reserved from the key's budget; what is not used is refunded when
+        # the request ends, however it ends (finish, stop string, error, cancel, closed early)
+        grant = None
+        if caller is not None:
+            req.log = req.log.bind(key=caller.key_id)
+            req.span.set_attribute("api_key", caller.key_id)
+            grant = self.limiter.admit(caller, len(ids), params.max_tokens)
         num_tokens = 0
-        async for delta in self._route(req, ids, params, text, timeout):
-            num_tokens += len(delta.token_ids)
-            req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
-            if delta.finish_reason:
-                delta.usage = Usage(len(ids), num_tokens)
-            yield delta
-            if delta.finish_reason:
-                return
+        try:
+            async for delta in self._route(req, ids, params, text, timeout):
+                num_tokens += len(delta.token_ids)
+                req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
+                if delta.finish_reason:
+                    delta.usage = Usage(len(ids), num_tokens)
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            if grant is not None:
+                grant.release(len(ids) + num_tokens)
 
     async def _route(
         self, req: GatewayRequest, ids, params, text: TextStream, timeout

@@ -46,6 +46,14 @@ def response_from_delta(request_id: str, d: Delta) -> generation_pb2.GenerateRes
     return resp
 
 
+def authorization(metadata) -> str | None:
+    """The ``authorization`` metadata value of a call (gRPC lower-cases metadata keys)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Each call is one ``GatewayRequest`` (span, logs, metrics), closed with the status the
     client gets. ``Complete`` is ``Generate``'s stream, collected."""
@@ -57,10 +65,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context, stream: bool
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         gw = self.gateway
-        with gw.open(request.request_id, context.invocation_metadata(), stream) as req:
+        metadata = context.invocation_metadata()
+        with gw.open(request.request_id, metadata, stream) as req:
+            caller = gw.authenticate(authorization(metadata))
             gw.check_model(request.model)
             params = sampling_from_proto(request.sampling)
-            deltas = gw.generate(req, prompt_from_proto(request), params, context.time_remaining())
+            deltas = gw.generate(
+                req, prompt_from_proto(request), params, context.time_remaining(), caller
+            )
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
                     yield response_from_delta(req.request_id, d)
@@ -85,6 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         gw = self.gateway
+        gw.authenticate(authorization(context.invocation_metadata()))
         return generation_pb2.ListModelsResponse(
             models=[generation_pb2.ModelInfo(id=gw.model_name, max_model_len=gw.max_model_len)]
         )

@@ -122,7 +122,9 @@ class LoopThread:
 class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
+    def __init__(
+        self, model: Path, policy: str, queue_timeout_s: float, api_keys_file: str | None = None
+    ) -> None:
         self.model = model
         self.loop = LoopThread()
         self.gateway = self.loop.run(
@@ -130,7 +132,9 @@ class Cluster:
                 GatewayOptions(
                     model=str(model),
                     port=0,
-                    config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
+                    config=GatewayConfig(
+                        policy=policy, queue_timeout_s=queue_timeout_s, api_keys_file=api_keys_file
+                    ),
                     metrics_port=-1,
                 )
             )
@@ -205,9 +209,10 @@ def start_cluster(
     policy: str = "least_loaded",
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
+    api_keys_file: str | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s)
+    c = Cluster(model, policy, queue_timeout_s, api_keys_file)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")
@@ -224,6 +229,20 @@ def start_cluster(
 @pytest.fixture
 def cluster(tiny_model_dir):
     """cluster(**start_cluster's options) -> a Cluster of its own, closed when the test ends."""
+    made: list[Cluster] = []
+
+    def make(**options: Any) -> Cluster:
+        made.append(start_cluster(tiny_model_dir, **options))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def module_cluster(tiny_model_dir):
+    """module_cluster(**start_cluster's options) -> a Cluster shared by the module's tests."""
     made: list[Cluster] = []
 
     def make(**options: Any) -> Cluster:

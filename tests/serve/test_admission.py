@@ -4,38 +4,14 @@ a seat frees, and answers RESOURCE_EXHAUSTED once its queue timeout has passed."
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
-from contextlib import contextmanager
 
 import grpc
 
 from pdserve import Client, SamplingParams
-from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.helpers import assert_no_leaks, wait_until
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.helpers import assert_no_leaks, seat_held, wait_until
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-_holds = itertools.count()
-
-
-@contextmanager
-def seat_held(address: str):
-    """Take a decode worker's seat as the gateway would (admitted, blocks reserved) and keep it,
-    its KV never sent, until the block ends: then the call is cancelled and the worker frees it."""
-    with grpc.insecure_channel(address) as ch:
-        call = worker_pb2_grpc.DecodeStub(ch).Generate(
-            worker_pb2.DecodeRequest(
-                request_id=f"hold-{next(_holds)}",
-                prompt_token_ids=[1, 2, 3],
-                sampling=common_pb2.SamplingParams(max_tokens=4),
-                kv_timeout_ms=60_000,
-            ),
-            timeout=60,
-        )
-        try:
-            assert next(call).HasField("admitted")
-            yield call
-        finally:
-            call.cancel()
 
 
 def test_every_decode_worker_full_past_the_queue_timeout_is_resource_exhausted(cluster):

@@ -25,9 +25,11 @@ def test_gateway_defaults_are_gateway_configs():
 def test_gateway_options_reach_the_config():
     args = build_parser().parse_args(
         "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 "
-        "--queue-timeout 9".split()
+        "--queue-timeout 9 --api-keys k.json".split()
     )
-    assert serve_cli.gateway_config(args) == GatewayConfig("round_robin", 3.0, 7.0, 5, 9.0)
+    assert serve_cli.gateway_config(args) == GatewayConfig(
+        "round_robin", 3.0, 7.0, 5, 9.0, "k.json"
+    )
 
 
 @pytest.mark.parametrize("command", [*ROLES, "up"])
@@ -50,6 +52,6 @@ def test_generate_sampling_defaults_are_sampling_params_but_for_its_own_two():
 
 def test_every_gateway_config_field_has_an_option():
     args = vars(build_parser().parse_args(["gateway"]))
-    options = {"policy", "lease", "kv_timeout", "max_attempts", "queue_timeout"}
+    options = {"policy", "lease", "kv_timeout", "max_attempts", "queue_timeout", "api_keys"}
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))
