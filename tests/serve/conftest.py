@@ -122,7 +122,7 @@ class LoopThread:
 class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
+    def __init__(self, model: Path, policy: str, queue_timeout_s: float, http: bool = False) -> None:
         self.model = model
         self.loop = LoopThread()
         self.gateway = self.loop.run(
@@ -132,6 +132,7 @@ class Cluster:
                     port=0,
                     config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
                     metrics_port=-1,
+                    http_port=0 if http else -1,
                 )
             )
         )
@@ -141,6 +142,11 @@ class Cluster:
     @property
     def address(self) -> str:
         return self.gateway.address
+
+    @property
+    def http_address(self) -> str:
+        """The OpenAI-compatible HTTP API's host:port (a cluster started with ``http=True``)."""
+        return self.gateway.http_address
 
     def start_worker(
         self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
@@ -205,9 +211,11 @@ def start_cluster(
     policy: str = "least_loaded",
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
+    http: bool = False,
 ) -> Cluster:
-    """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s)
+    """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
+    ``http``: the gateway serves its OpenAI-compatible HTTP API too."""
+    c = Cluster(model, policy, queue_timeout_s, http)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")
