@@ -274,7 +274,12 @@ def completion_logprobs(
     tok: Tokenizer, lps: Sequence[TokenLogprobs], offset: int
 ) -> dict[str, list]:
     """The completions API's logprobs object; ``offset``: characters of text before these tokens."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for lp in lps:
         text = _token_text(tok, lp.token_id)
         out["tokens"].append(text)

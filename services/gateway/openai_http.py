@@ -167,7 +167,9 @@ class OpenAIApp:
                 if not r.max_tokens_given:  # the rest of the context, as OpenAI does
                     ids, _ = encode(r.prompt, gw.tokenizer)
                     rest = max(gw.max_model_len - len(ids), 1)
-                    r = dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=rest))
+                    r = dataclasses.replace(
+                        r, params=dataclasses.replace(r.params, max_tokens=rest)
+                    )
             else:
                 r = api.parse_completion(body)
             gw.check_model(r.model)
@@ -286,7 +288,9 @@ async def _sse(
                 if d.finish_reason:
                     yield chunk({"delta": {}, "logprobs": None, "finish_reason": d.finish_reason})
             else:
-                yield chunk({"text": d.text, "logprobs": lp, "finish_reason": d.finish_reason or None})
+                yield chunk(
+                    {"text": d.text, "logprobs": lp, "finish_reason": d.finish_reason or None}
+                )
             if d.finish_reason:
                 break
             nxt = await anext(events, None)
@@ -307,7 +311,9 @@ class _EventStream(StreamingResponse):
     began, say), the request's generator is closed: its worker calls are cancelled."""
 
     def __init__(self, body: AsyncIterator[bytes], events) -> None:
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._events = events
 
     async def __call__(self, scope, receive, send) -> None:

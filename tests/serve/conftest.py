@@ -122,7 +122,9 @@ class LoopThread:
 class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float, http: bool = False) -> None:
+    def __init__(
+        self, model: Path, policy: str, queue_timeout_s: float, http: bool = False
+    ) -> None:
         self.model = model
         self.loop = LoopThread()
         self.gateway = self.loop.run(

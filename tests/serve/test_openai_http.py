@@ -106,7 +106,12 @@ def test_chat_greedy_equals_the_grpc_api_streamed_or_not(http_cluster, oai, grpc
     assert whole.usage.completion_tokens == 12
     chunks = list(
         oai.chat.completions.create(
-            model="", messages=messages, max_tokens=12, temperature=0, stream=True, extra_body=NO_EOS
+            model="",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body=NO_EOS,
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -177,7 +182,11 @@ def test_n_other_than_1_is_400_in_openai_error_shape(oai):
         oai.completions.create(model="", prompt="Hi", max_tokens=2, n=2)
     err = _error(e.value)
     assert e.value.status_code == 400
-    assert (err["param"], err["type"], err["code"]) == ("n", "invalid_request_error", "invalid_argument")
+    assert (err["param"], err["type"], err["code"]) == (
+        "n",
+        "invalid_request_error",
+        "invalid_argument",
+    )
 
 
 def test_unknown_model_is_404(oai):
