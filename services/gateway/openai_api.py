@@ -151,6 +151,11 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         raise RequestError(
             f"temperature must be in [0, 2], got {fields['temperature']}", "temperature"
         )
+    # what the workers' wire format holds (int64 seed, uint32 top_k)
+    if fields["seed"] is not None and not -(2**63) <= fields["seed"] < 2**63:
+        raise RequestError("seed must fit in a signed 64-bit integer", "seed")
+    if fields["top_k"] >= 2**32:
+        raise RequestError(f"top_k must be below 2**32, got {fields['top_k']}", "top_k")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise RequestError(
             f"{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}", logprobs_param

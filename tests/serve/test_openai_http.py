@@ -117,9 +117,11 @@ def test_chat_greedy_equals_the_grpc_api_streamed_or_not(http_cluster, oai, grpc
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
-    # without max_tokens, chat may run to the end of the context: here, to end-of-sequence or there
-    free = oai.chat.completions.create(model="", messages=messages, temperature=0, seed=1)
-    assert free.choices[0].finish_reason in ("stop", "length")
+    # without max_tokens, chat may run to the end of the context (4,096 tokens here)
+    long = [{"role": "user", "content": "a " * 4000}]
+    free = oai.chat.completions.create(model="", messages=long, temperature=0, extra_body=NO_EOS)
+    assert free.choices[0].finish_reason == "length"
+    assert free.usage.total_tokens == 4096
     assert_no_leaks(http_cluster.live())
 
 
@@ -207,6 +209,9 @@ def test_unknown_model_is_404(oai):
         ("max_tokens", 1.5),
         ("logprobs", 99),
         ("seed", "x"),
+        ("seed", 2**70),
+        ("top_k", 2**40),
+        ("temperature", float("nan")),
         ("stop", [1, 2]),
         ("stop", ["s"] * 17),
         ("stream", "yes"),
