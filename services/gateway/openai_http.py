@@ -373,7 +373,8 @@ class OpenAIServer:
                 self._sock.close()
             return
         self._server = None
-        server.config.timeout_graceful_shutdown = grace  # type: ignore[assignment]
+        # (0 would time out at once, and log so, even with nothing in flight)
+        server.config.timeout_graceful_shutdown = max(grace, 0.01)  # type: ignore[assignment]
         server.should_exit = True
         if self._main is not None:
             await self._main
