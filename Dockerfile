@@ -37,5 +37,5 @@ ENV PDSERVE_CACHE_DIR=/var/cache/pdserve \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /var/cache/pdserve /var/cache/pdserve
 # gateway 50051, workers 50061, /metrics 9400 (see compose.yaml)
-EXPOSE 50051 50061 9400
-CMD ["pdserve", "gateway", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
+EXPOSE 50051 50061 9400 8000
+CMD ["pdserve", "gateway", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", "--metrics-port", "9400"]

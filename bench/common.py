@@ -24,7 +24,7 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
     env = {**ENV, **(env or {})}
     procs = []
     try:
-        gw = start_process(["gateway", "--port", "0"], env=env)
+        gw = start_process(["gateway", "--port", "0", "--http-port", "-1"], env=env)
         procs.append(gw.proc)
         for argv in workers:
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)

@@ -194,7 +194,7 @@ def serving(args: argparse.Namespace) -> None:
     env = dict(UCX_ENV)
     procs = []
     try:
-        gw = start_process(["gateway", "--port", "0"], env=env)
+        gw = start_process(["gateway", "--port", "0", "--http-port", "-1"], env=env)
         procs.append(gw.proc)
         workers = {}
         for argv in DISAGGREGATED:  # [role, ...]

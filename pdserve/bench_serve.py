@@ -1,9 +1,13 @@
-"""``pdserve bench serve``: load on a running gateway over gRPC; TTFT, TPOT, ITL percentiles.
+"""``pdserve bench serve``: load on a running gateway over gRPC (``--url``) or its OpenAI-compatible
+HTTP API (``--http``: streaming /v1/completions); TTFT, TPOT, ITL percentiles.
 
 Metrics as vLLM's benchmark_serving defines them: TTFT = request sent -> first token; TPOT =
 (latency - TTFT) / (output tokens - 1) per request; ITL = every gap between streamed tokens.
 Prompts are random words (about one token per word here); outputs have a fixed length with
 end-of-sequence ignored; greedy sampling.
+
+Over HTTP every server-sent event that carries a choice is one arrival (the gateway sends one per
+decode step, as the gRPC stream does) and the output length is the final usage's.
 
 Load: a closed loop of ``users`` (each sends its next request when its last one ends), or, with
 ``rate``, Poisson arrivals at that many requests per second.
@@ -12,6 +16,7 @@ Load: a closed loop of ``users`` (each sends its next request when its last one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -19,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
+import httpx
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -56,7 +62,7 @@ def sample_length(rng: random.Random, dist: list[tuple[float, int, int]]) -> int
     return rng.randint(lo, hi)
 
 
-async def one_request(
+async def one_grpc_request(
     stub, words: int, output_len: int, rng: random.Random, timeout: float
 ) -> RequestResult:
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
@@ -79,6 +85,54 @@ async def one_request(
         r.error = f"{e.code().name}: {e.details()}"
     r.latency = time.perf_counter() - start
     return r
+
+
+async def one_http_request(
+    client: httpx.AsyncClient, words: int, output_len: int, rng: random.Random, timeout: float
+) -> RequestResult:
+    """One streaming /v1/completions request; ``client`` has the API's base URL."""
+    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = RequestResult(prompt_words=words)
+    arrivals = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise _HTTPError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise _HTTPError(f"{event['error'].get('code')}: {event['error']['message']}")
+                if event.get("usage"):
+                    r.output_tokens = event["usage"]["completion_tokens"]
+                if not event.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if arrivals == 0:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                last = now
+                arrivals += 1
+    except (httpx.HTTPError, _HTTPError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    r.latency = time.perf_counter() - start
+    return r
+
+
+class _HTTPError(Exception):
+    pass
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -123,8 +177,16 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
     }
 
 
+def http_base_url(url: str) -> str:
+    """``host:port``, ``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1``."""
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 async def run_load(
-    url: str,
+    url: str | None,
     num_requests: int,
     users: int,
     rate: float | None,
@@ -132,12 +194,27 @@ async def run_load(
     output_len: int,
     seed: int,
     timeout: float,
+    http: str | None = None,
 ) -> dict:
+    """Over gRPC to the gateway at ``url``, or over HTTP to the OpenAI API at ``http``."""
     rng = random.Random(seed)
     dist = parse_lengths(prompt_dist)
     jobs = [sample_length(rng, dist) for _ in range(num_requests)]
-    async with grpc.aio.insecure_channel(url) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        if http:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=http_base_url(http), limits=limits)
+            )
+
+            def one_request(_stub, words, output_len, urng, timeout):
+                return one_http_request(client, words, output_len, urng, timeout)
+
+            stub = None
+        else:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(url))
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            one_request = one_grpc_request
         results: list[RequestResult] = []
         start = time.perf_counter()
         if rate:
@@ -163,6 +240,7 @@ async def run_load(
     summary = summarize(results, wall)
     summary["config"] = {
         "url": url,
+        "http": http,
         "requests": num_requests,
         "users": users,
         "rate": rate,
@@ -203,6 +281,7 @@ def cmd_bench_serve(args) -> int:
             args.output_len,
             args.seed,
             args.timeout,
+            args.http,
         )
     )
     print_summary(summary)
@@ -216,7 +295,13 @@ def add_command(bsub) -> None:
     s = bsub.add_parser(
         "serve", help="load a running gateway; TTFT/TPOT/ITL percentiles and throughput"
     )
-    s.add_argument("--url", required=True, help="gateway host:port")
+    target = s.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="the gateway's gRPC host:port")
+    target.add_argument(
+        "--http",
+        metavar="URL",
+        help="the gateway's OpenAI-compatible HTTP API instead (host:port or http://host:port/v1)",
+    )
     s.add_argument("--requests", type=int, default=32)
     s.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
     s.add_argument(

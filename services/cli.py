@@ -86,6 +86,7 @@ def cmd_gateway(args) -> int:
                 port=args.port,
                 config=gateway_config(args),
                 metrics_port=args.metrics_port,
+                http_port=args.http_port,
                 telemetry=telemetry_config(args, "gateway"),
             )
         )
@@ -117,6 +118,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--model", default=DEFAULT_MODEL)
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
+    _http_arg(gw)
     gw.add_argument("--policy", default=GatewayConfig.policy, help="round_robin or least_loaded")
     gw.add_argument(
         "--lease",
@@ -174,6 +176,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
     engine_args(up)
     up.add_argument("--port", type=int, default=50051)
+    _http_arg(up)
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--colocated", type=int, default=0)
@@ -236,6 +239,19 @@ def _keys_commands(sub) -> None:
         "--concurrency", type=int, default=None, help="requests at once (default: no limit)"
     )
     k.set_defaults(func=cmd_keys)
+
+
+HTTP_PORT = 8000
+
+
+def _http_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=HTTP_PORT,
+        help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
+    )
 
 
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:

@@ -18,6 +18,7 @@ class Started(NamedTuple):
     proc: subprocess.Popen
     address: str  # gRPC host:port
     metrics: str  # /metrics host:port, or "-"
+    http: str = "-"  # the gateway's OpenAI-compatible HTTP API host:port, or "-"
 
 
 def start_process(
@@ -35,7 +36,8 @@ def start_process(
     for line in proc.stdout:
         if line.startswith("READY "):
             fields = line.split()
-            return Started(proc, fields[2], fields[3].removeprefix("metrics="))
+            http = next((f.removeprefix("http=") for f in fields if f.startswith("http=")), "-")
+            return Started(proc, fields[2], fields[3].removeprefix("metrics="), http)
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -88,13 +90,15 @@ def cmd_up(args) -> int:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     procs: list[subprocess.Popen] = []
     try:
-        gw, address, gw_metrics = start_process(
+        gw, address, gw_metrics, http = start_process(
             [
                 "gateway",
                 "--model",
                 args.model,
                 "--port",
                 str(args.port),
+                "--http-port",
+                str(args.http_port),
                 "--metrics-port",
                 str(args.metrics_port),
                 *observe,
@@ -121,6 +125,8 @@ def cmd_up(args) -> int:
             f'{args.colocated} colocated). Try: pdserve generate --url {address} "Hello"',
             flush=True,
         )
+        if http != "-":
+            print(f"OpenAI-compatible HTTP API: http://{http}/v1", flush=True)
         print(f"/metrics: {', '.join(metrics)}", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

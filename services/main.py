@@ -54,14 +54,17 @@ class GatewayOptions:
     config: GatewayConfig = field(default_factory=GatewayConfig)
     max_model_len: int | None = None
     metrics_port: int = 0
+    http_port: int = -1  # the OpenAI-compatible HTTP API; 0 picks a port, -1 turns it off
     telemetry: telemetry.TelemetryConfig = field(
         default_factory=lambda: telemetry.TelemetryConfig("gateway")
     )
 
 
-def _ready(role: str, address: str, metrics: str) -> None:
-    """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off)."""
-    print(f"READY {role} {address} metrics={metrics}", flush=True)
+def _ready(role: str, address: str, metrics: str, http: str | None = None) -> None:
+    """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off); the
+    gateway adds `` http=<host:port>`` (- when its HTTP API is off)."""
+    extra = "" if http is None else f" http={http}"
+    print(f"READY {role} {address} metrics={metrics}{extra}", flush=True)
 
 
 def _serve_metrics(metrics, host: str, port: int) -> str:
@@ -279,11 +282,17 @@ class GatewayServer:
         self.server = server
         self.port = 0
         self.metrics_address = "-"  # /metrics host:port, "-" when off
+        self.http = None  # services.gateway.openai_http.OpenAIServer, when on
         self._stopped = False
 
     @property
     def address(self) -> str:
         return f"{self.opts.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str:
+        """The OpenAI-compatible HTTP API's host:port, "-" when off."""
+        return "-" if self.http is None else self.http.address
 
     @classmethod
     async def start(cls, opts: GatewayOptions) -> GatewayServer:
@@ -292,6 +301,11 @@ class GatewayServer:
         try:
             served.port = server.bind(f"{opts.host}:{opts.port}")
             served.metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
+            if opts.http_port >= 0:
+                from pdserve.services.gateway.openai_http import OpenAIServer
+
+                served.http = OpenAIServer(gateway, opts.host, opts.http_port)
+                await served.http.start()
             await server.start()
             await server.set_serving(True)
         except BaseException:
@@ -333,6 +347,8 @@ class GatewayServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.http is not None:
+            await self.http.stop(grace=grace)
         await self.server.stop(grace=grace)
         self.gateway.metrics.close()
         for w in list(self.registry.workers.values()):
@@ -390,11 +406,12 @@ async def serve_gateway(opts: GatewayOptions) -> None:
         print(f"pdserve gateway: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_keys)
-    _ready("gateway", server.address, server.metrics_address)
+    _ready("gateway", server.address, server.metrics_address, server.http_address)
     telemetry.logger().info(
         "gateway.ready",
         address=server.address,
         metrics=server.metrics_address,
+        http=server.http_address,
         policy=opts.config.policy,
         tracing=telemetry.tracing_enabled(),
     )

@@ -84,7 +84,12 @@ def test_ports_health_checks_and_addresses_match_the_commands():
     s = _services()
     gateway = _args(s["gateway"])
     # The gateway's port is the one published and health-checked; the workers dial it by service name.
-    assert s["gateway"]["ports"] == [f"{gateway.port}:{gateway.port}"]
+    # Its OpenAI-compatible HTTP API is published too.
+    assert gateway.http_port > 0
+    assert s["gateway"]["ports"] == [
+        f"{gateway.port}:{gateway.port}",
+        f"{gateway.http_port}:{gateway.http_port}",
+    ]
     assert _health_target(s["gateway"]) == f"127.0.0.1:{gateway.port}"
     for role in WORKERS:
         worker = _args(s[role])
@@ -129,14 +134,18 @@ def test_the_image_default_command_and_ports_match_compose():
     text = DOCKERFILE.read_text()
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     args = _parse(cmd)
-    assert (args.command, args.host, args.port) == (
+    gateway = _args(_services()["gateway"])
+    assert (args.command, args.host, args.port, args.http_port) == (
         "gateway",
         "0.0.0.0",
-        _args(_services()["gateway"]).port,
+        gateway.port,
+        gateway.http_port,
     )
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
     s = _services()
-    assert exposed == {_args(s[r]).port for r in ROLES} | {_args(s[r]).metrics_port for r in ROLES}
+    assert exposed == {_args(s[r]).port for r in ROLES} | {
+        _args(s[r]).metrics_port for r in ROLES
+    } | {gateway.http_port}
     # The model is baked in where the CLI looks for it: PDSERVE_CACHE_DIR, set in the runtime stage.
     runtime = text.rsplit("\nFROM ", 1)[1]
     assert "PDSERVE_CACHE_DIR=/var/cache/pdserve" in runtime

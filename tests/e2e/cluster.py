@@ -24,7 +24,7 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
 
     def start_worker(self, name: str, role: str, *extra: str, stderr=None) -> str:
-        proc, address, metrics = start_process(
+        proc, address, metrics, _ = start_process(
             [role, "--gateway", self.gateway, *WORKER_ARGS, *extra],
             env={**UCX_ENV, **self.env},
             stderr=stderr,
@@ -49,8 +49,8 @@ class Cluster:
 
 
 def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=None) -> Cluster:
-    proc, address, metrics = start_process(
-        ["gateway", "--port", "0", *gateway_args], env=env, stderr=stderr
+    proc, address, metrics, _ = start_process(
+        ["gateway", "--port", "0", "--http-port", "-1", *gateway_args], env=env, stderr=stderr
     )
     c = Cluster(address, env=dict(env or {}))
     c.procs.append(proc)

@@ -1,5 +1,6 @@
-"""``pdserve up`` as a script starts it (``pdserve up &``): it serves, and one SIGINT stops it and
-every process it started."""
+"""``pdserve up`` as a script starts it (``pdserve up &``): it serves gRPC and the OpenAI-compatible
+HTTP API (the official client gets the gRPC API's greedy output), and one SIGINT stops it and every
+process it started."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+
+import openai
 
 from pdserve import Client, SamplingParams
 
@@ -35,6 +38,8 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
             "up",
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--kv-cache-bytes",
             "256M",
             "--log-format",
@@ -47,17 +52,35 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        address = None
+        address = base_url = None
         for line in up.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
             if line.startswith("pdserve is up: gateway at "):
                 address = line.split()[5]
+            if line.startswith("OpenAI-compatible HTTP API: "):
+                base_url = line.split()[-1]
                 break
-        assert address, f"pdserve up exited with {up.wait()} before it was up"
+        assert address and base_url, f"pdserve up exited with {up.wait()} before it was up"
+        prompt = "What is the capital of France?"
         with Client(address, timeout=120) as client:
-            out = client.complete(
-                "What is the capital of France?", SamplingParams(max_tokens=8, temperature=0)
+            out = client.complete(prompt, SamplingParams(max_tokens=8, temperature=0))
+            chat = client.complete(
+                [{"role": "user", "content": prompt}], SamplingParams(max_tokens=8, temperature=0)
             )
         assert len(out.token_ids) > 0
+        with openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=120) as oai:
+            model = oai.models.list().data[0].id
+            got = oai.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+            got_chat = oai.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+            chat_text = "".join(c.choices[0].delta.content or "" for c in got_chat if c.choices)
+        assert got.choices[0].text == out.text
+        assert got.usage.completion_tokens == len(out.token_ids)
+        assert chat_text == chat.text
         workers = _children(up.pid)
         assert len(workers) == 3  # gateway, prefill, decode
 

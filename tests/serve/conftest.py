@@ -123,7 +123,12 @@ class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
     def __init__(
-        self, model: Path, policy: str, queue_timeout_s: float, api_keys_file: str | None = None
+        self,
+        model: Path,
+        policy: str,
+        queue_timeout_s: float,
+        api_keys_file: str | None = None,
+        http: bool = False,
     ) -> None:
         self.model = model
         self.loop = LoopThread()
@@ -136,6 +141,7 @@ class Cluster:
                         policy=policy, queue_timeout_s=queue_timeout_s, api_keys_file=api_keys_file
                     ),
                     metrics_port=-1,
+                    http_port=0 if http else -1,
                 )
             )
         )
@@ -145,6 +151,11 @@ class Cluster:
     @property
     def address(self) -> str:
         return self.gateway.address
+
+    @property
+    def http_address(self) -> str:
+        """The OpenAI-compatible HTTP API's host:port (a cluster started with ``http=True``)."""
+        return self.gateway.http_address
 
     def start_worker(
         self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
@@ -210,9 +221,11 @@ def start_cluster(
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
     api_keys_file: str | None = None,
+    http: bool = False,
 ) -> Cluster:
-    """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s, api_keys_file)
+    """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
+    ``http``: the gateway serves its OpenAI-compatible HTTP API too."""
+    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")

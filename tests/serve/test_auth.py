@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 
 import grpc
+import httpx
 import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +31,7 @@ KEYS = {
     "tpm": KeyLimits(tpm=80),  # ten requests of 3 + 5 tokens
     "stop": KeyLimits(tpm=2 * COST - 1),  # one full reservation, and one used in part
     "cancel": KeyLimits(tpm=2 * COST - 1),
+    "http": KeyLimits(rpm=1),
 }
 
 
@@ -46,7 +48,7 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def c(module_cluster, keys):
-    return module_cluster(prefill=1, decode=1, decode_seqs=1, api_keys_file=str(keys[0]))
+    return module_cluster(prefill=1, decode=1, decode_seqs=1, api_keys_file=str(keys[0]), http=True)
 
 
 def client(c, key: str | None) -> Client:
@@ -223,6 +225,30 @@ def test_a_cancelled_request_refunds_what_it_did_not_use(c, keys):
         with client(c, plain["cancel"]) as cl:
             assert cl.complete(PROMPT, params(20)).finish_reason == "length"
     assert c.gateway_metric("pdserve_requests_total", outcome="cancelled") == 1
+    assert_no_leaks(c.live())
+
+
+def test_the_http_api_checks_the_same_keys_and_limits(c, keys):
+    """OpenAI HTTP: no or a bad key is 401, a good one serves, over its rpm is 429 + Retry-After,
+    all in OpenAI's error shape."""
+    _, plain = keys
+    url = f"http://{c.http_address}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with httpx.Client(timeout=30) as h:
+        for headers in ({}, {"Authorization": "Bearer pds_not-a-key"}):
+            r = h.post(url, json=body, headers=headers)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "unauthenticated"
+            assert h.get(f"http://{c.http_address}/v1/models", headers=headers).status_code == 401
+        auth = {"Authorization": f"Bearer {plain['http']}"}
+        r = h.post(url, json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+        r = h.post(url, json=body, headers=auth)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "resource_exhausted"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+    assert key_metric(c, "pdserve_key_rejected_total", "http", reason="rpm") == 1
     assert_no_leaks(c.live())
 
 
