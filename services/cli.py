@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pdserve.services import launcher
+from pdserve.services import launcher, lifecycle
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
@@ -69,6 +69,8 @@ def cmd_worker(args) -> int:
                 advertise=args.advertise,
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, args.command),
+                stall_timeout_s=args.stall_timeout,
+                drain_timeout_s=args.drain_timeout,
             )
         )
     )
@@ -86,6 +88,7 @@ def cmd_gateway(args) -> int:
                 config=gateway_config(args),
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, "gateway"),
+                drain_timeout_s=args.drain_timeout,
             )
         )
     )
@@ -141,6 +144,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
     )
+    _drain_arg(gw)
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     for role in ROLES:
@@ -160,6 +164,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
             "machine's IP)",
         )
+        w.add_argument(
+            "--stall-timeout",
+            type=float,
+            default=lifecycle.STALL_TIMEOUT_S,
+            help="seconds one engine step may take before the worker says NOT_SERVING and "
+            "deregisters (until the step ends)",
+        )
+        _drain_arg(w)
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
@@ -172,6 +184,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
     )
+    _drain_arg(up)
     _observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
@@ -179,6 +192,16 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     h.add_argument("--service", default="", help="a service name; default: the server as a whole")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=cmd_health)
+
+
+def _drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=lifecycle.DRAIN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT: stop taking requests, give the running ones this many seconds "
+        "to finish, then exit 0",
+    )
 
 
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:

@@ -30,7 +30,7 @@ from pdserve.services.gateway.router import Router
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
 from pdserve.outputs import TokenLogprobs
-from pdserve.rpc import StatusError
+from pdserve.rpc import Gate, StatusError
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
@@ -90,6 +90,8 @@ class Gateway:
         self._capacity = asyncio.Condition()
         self.metrics = GatewayMetrics()
         self._ids = itertools.count()
+        # closed while the gateway drains: new requests get UNAVAILABLE, running ones finish
+        self.gate = Gate("the gateway is draining (shutting down)")
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
         """Start accounting for a request (its span continues a traceparent in ``metadata``);
@@ -119,20 +121,22 @@ class Gateway:
         timeout: float | None = None,
     ) -> AsyncIterator[Delta]:
         """Deltas of ``req`` until one carries a finish reason (and the usage). ValueError for a
-        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it."""
-        ids, prompt_text = encode(prompt, self.tokenizer)
-        req.prepared(ids, params.max_tokens, prompt_text)
-        validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        text = TextStream(self.tokenizer, ids, params.stop)
-        num_tokens = 0
-        async for delta in self._route(req, ids, params, text, timeout):
-            num_tokens += len(delta.token_ids)
-            req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
-            if delta.finish_reason:
-                delta.usage = Usage(len(ids), num_tokens)
-            yield delta
-            if delta.finish_reason:
-                return
+        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it,
+        UNAVAILABLE while the gateway drains."""
+        with self.gate.enter():
+            ids, prompt_text = encode(prompt, self.tokenizer)
+            req.prepared(ids, params.max_tokens, prompt_text)
+            validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
+            text = TextStream(self.tokenizer, ids, params.stop)
+            num_tokens = 0
+            async for delta in self._route(req, ids, params, text, timeout):
+                num_tokens += len(delta.token_ids)
+                req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
+                if delta.finish_reason:
+                    delta.usage = Usage(len(ids), num_tokens)
+                yield delta
+                if delta.finish_reason:
+                    return
 
     async def _route(
         self, req: GatewayRequest, ids, params, text: TextStream, timeout
@@ -218,17 +222,18 @@ class Gateway:
         rid = f"{req.request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
-        if prefill is None:
-            local = self.router.pick(
-                self.registry.alive("colocated") + self.registry.alive("decode"), exclude
-            )
+        decode = self.router.pick(self.registry.alive("decode"), exclude) if prefill else None
+        if decode is None:
+            # No pair: a colocated worker, or (no prefill worker at all) a decode worker prefills
+            # locally. registry.can_serve() is this rule, for the gateway's health.
+            pool = self.registry.alive("colocated")
+            if prefill is None:
+                pool += self.registry.alive("decode")
+            local = self.router.pick(pool, exclude)
             if local is None:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, ids, params, timeout, md)
-        decode = self.router.pick(self.registry.alive("decode"), exclude)
-        if decode is None:
-            return None
         req.routed("disaggregated", decode.address, prefill.address, attempt)
         return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
 

@@ -122,7 +122,13 @@ class LoopThread:
 class Cluster:
     """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
+    def __init__(
+        self,
+        model: Path,
+        policy: str,
+        queue_timeout_s: float,
+        lease_s: float = GatewayConfig.lease_s,
+    ) -> None:
         self.model = model
         self.loop = LoopThread()
         self.gateway = self.loop.run(
@@ -130,7 +136,9 @@ class Cluster:
                 GatewayOptions(
                     model=str(model),
                     port=0,
-                    config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
+                    config=GatewayConfig(
+                        policy=policy, queue_timeout_s=queue_timeout_s, lease_s=lease_s
+                    ),
                     metrics_port=-1,
                 )
             )
@@ -142,9 +150,15 @@ class Cluster:
     def address(self) -> str:
         return self.gateway.address
 
-    def start_worker(
-        self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
-    ) -> WorkerServer:
+    def worker_options(
+        self,
+        role: str,
+        max_num_seqs: int = 64,
+        block_size: int = 16,
+        gateway: str | None = None,
+        **options: Any,
+    ) -> WorkerOptions:
+        """A worker of the tiny model registering with ``gateway`` (default: this cluster's)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
@@ -152,15 +166,21 @@ class Cluster:
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=KV_CACHE_BYTES),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         )
-        opts = WorkerOptions(
+        return WorkerOptions(
             role=role,
             engine=engine,
             port=0,
-            gateway=self.address,
+            gateway=gateway or self.address,
             transport="loopback",
             metrics_port=-1,
+            **options,
         )
-        self.workers[name] = self.loop.run(WorkerServer.start(opts))
+
+    def start_worker(self, name: str, role: str, **options: Any) -> WorkerServer:
+        """Started and registered; ``options``: ``worker_options``'."""
+        self.workers[name] = self.loop.run(
+            WorkerServer.start(self.worker_options(role, **options))
+        )
         return self.workers[name]
 
     def stop_worker(self, name: str) -> None:
@@ -205,9 +225,10 @@ def start_cluster(
     policy: str = "least_loaded",
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
+    lease_s: float = GatewayConfig.lease_s,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s)
+    c = Cluster(model, policy, queue_timeout_s, lease_s)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")
