@@ -177,10 +177,8 @@ class Cluster:
         )
 
     def start_worker(self, name: str, role: str, **options: Any) -> WorkerServer:
-        """Started and registered; ``options``: ``worker_options``'."""
-        self.workers[name] = self.loop.run(
-            WorkerServer.start(self.worker_options(role, **options))
-        )
+        """Started and registered; ``options`` as ``worker_options`` takes them."""
+        self.workers[name] = self.loop.run(WorkerServer.start(self.worker_options(role, **options)))
         return self.workers[name]
 
     def stop_worker(self, name: str) -> None:

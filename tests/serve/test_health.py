@@ -44,6 +44,20 @@ def _listed(c, w: WorkerServer) -> bool:
     return listed is not None and listed.alive
 
 
+def _pause(c, w: WorkerServer):
+    """Hold ``w``'s engine thread in one command until ``release`` is set (returns once it is
+    held); the future ends (True) when it has been released."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(engine) -> bool:
+        held.set()
+        return release.wait(60)
+
+    fut = asyncio.run_coroutine_threadsafe(w.worker.loop.call(hold), c.loop.loop)
+    assert held.wait(10), "the engine thread did not take the command"
+    return release, fut
+
+
 class _HeldRegistry(worker_pb2_grpc.RegistryServicer):
     """A Registry that holds each Register call until ``release`` is set."""
 
@@ -149,10 +163,7 @@ def test_a_stuck_engine_makes_its_worker_unhealthy_until_it_moves_again(cluster)
     c = cluster(prefill=0, decode=0)
     stuck = c.start_worker("colocated-0", "colocated", stall_timeout_s=0.5)
     c.start_worker("colocated-1", "colocated")
-    release = threading.Event()
-    blocked = asyncio.run_coroutine_threadsafe(
-        stuck.worker.loop.call(lambda e: release.wait(60)), c.loop.loop
-    )
+    release, blocked = _pause(c, stuck)
     try:
         wait_until(lambda: health(stuck.address) == NOT_SERVING, 10, "NOT_SERVING")
         assert health(stuck.address, "pdserve.v1.Decode") == NOT_SERVING
@@ -206,16 +217,12 @@ def test_draining_a_decode_worker_lets_its_streams_finish_and_sends_new_requests
     c = cluster(prefill=1, decode=2)
     d0 = c.workers["decode-0"]
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    release = threading.Event()
     with Client(c.address, timeout=60) as client:
         streams = [client.generate_stream([7, 8, 9 + i], long) for i in range(8)]
         tokens = [list(next(s).token_ids) for s in streams]  # each is admitted and prefilled
         # Hold decode-0's engine, so that its streams are still running when it drains.
-        paused = asyncio.run_coroutine_threadsafe(
-            d0.worker.loop.call(lambda e: release.wait(60)), c.loop.loop
-        )
+        release, paused = _pause(c, d0)
         try:
-            wait_until(lambda: d0.worker.loop.busy_for() > 0, 5, "decode-0's engine to pause")
             assert d0.worker.gate.active == 4  # least_loaded: 4 streams on each decode worker
             draining = asyncio.run_coroutine_threadsafe(d0.drain(30), c.loop.loop)
             wait_until(lambda: not _listed(c, d0), 5, "decode-0 to deregister")
@@ -257,13 +264,10 @@ def test_a_draining_gateway_refuses_new_requests_and_finishes_running_ones(clust
     c = cluster(prefill=1, decode=1)
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     d0 = c.workers["decode-0"]
-    release = threading.Event()
     with Client(c.address, timeout=60) as client:
         stream = client.generate_stream([7, 8, 9], long)
         got = list(next(stream).token_ids)
-        paused = asyncio.run_coroutine_threadsafe(
-            d0.worker.loop.call(lambda e: release.wait(60)), c.loop.loop
-        )
+        release, paused = _pause(c, d0)
         try:
             draining = asyncio.run_coroutine_threadsafe(c.gateway.drain(30), c.loop.loop)
             wait_until(lambda: health(c.address) == NOT_SERVING, 5, "the gateway: NOT_SERVING")
