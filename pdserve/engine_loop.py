@@ -19,6 +19,7 @@ every pending or later ``call`` fails with ``EngineDeadError``: nothing waits fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -171,16 +172,18 @@ class EngineLoop:
             self._busy_since = None
             with self._lock:
                 self._dead = True
-            # Nothing is queued after _dead is set: fail what was, and every open stream.
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command is not None:
-                    command.fail(self._dead_error())
-            if self.error is not None:
-                self._loop.call_soon_threadsafe(self._fail_streams)
+            # Nothing is queued after _dead is set: fail what was, and every open stream (unless
+            # the event loop is closed already: then nobody waits).
+            with contextlib.suppress(RuntimeError):
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if command is not None:
+                        command.fail(self._dead_error())
+                if self.error is not None:
+                    self._loop.call_soon_threadsafe(self._fail_streams)
 
     def _serve(self) -> None:
         while True:

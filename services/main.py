@@ -57,6 +57,9 @@ class WorkerOptions:
     stall_timeout_s: float = lifecycle.STALL_TIMEOUT_S
     drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
 
+    def __post_init__(self) -> None:
+        lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
+
 
 @dataclass(frozen=True)
 class GatewayOptions:
@@ -70,6 +73,9 @@ class GatewayOptions:
         default_factory=lambda: telemetry.TelemetryConfig("gateway")
     )
     drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
+
+    def __post_init__(self) -> None:
+        lifecycle.check(self.drain_timeout_s)
 
 
 def _ready(role: str, address: str, metrics: str) -> None:
