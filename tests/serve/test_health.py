@@ -173,7 +173,8 @@ def test_a_stuck_engine_makes_its_worker_unhealthy_until_it_moves_again(cluster)
         with Client(c.address, timeout=30) as client:
             for i in range(4):
                 assert client.complete([1, 2, 3 + i], PARAMS).finish_reason == "length"
-        assert c.served("colocated-1") == 4
+        # a worker counts a request just after its last token: wait for the count
+        wait_until(lambda: c.served("colocated-1") == 4, 5, "colocated-1 to serve all 4")
         assert c.served("colocated-0") == 0
     finally:
         release.set()
@@ -206,7 +207,7 @@ def test_a_dead_engine_thread_makes_its_worker_unavailable_and_unlisted(cluster)
     with Client(c.address, timeout=30) as client:
         for i in range(4):
             assert client.complete([1, 2, 3 + i], PARAMS).finish_reason == "length"
-    assert c.served("colocated-1") == 4
+    wait_until(lambda: c.served("colocated-1") == 4, 5, "colocated-1 to serve all 4")
     c.stop_worker("colocated-0")
     assert_no_leaks(c.live())
 
@@ -248,7 +249,7 @@ def test_draining_a_decode_worker_lets_its_streams_finish_and_sends_new_requests
         assert finishes.count("length") == 8
         assert draining.result(30) is True  # every stream finished within the bound
         assert c.served("decode-0") == 4  # its 4 streams; none of the new requests
-        assert c.served("decode-1") == 4 + 3
+        wait_until(lambda: c.served("decode-1") == 4 + 3, 5, "decode-1: its 4 streams + 3 new")
         assert_no_leaks(c.live())  # decode-0 still answers Stats while it drains
 
         # decode-1 drains too: the prefill worker alone serves nothing.
