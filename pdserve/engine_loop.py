@@ -8,11 +8,18 @@ outputs come back on an ``asyncio.Queue`` of its own.
     event loop                         engine thread
     await loop.call(fn)   ---cmd--->   fn(engine)  (between steps)
     await queue.get()     <--outs---   engine.step()  ->  outputs per request
+
+Liveness: the thread stamps the time each time it wakes for work (a command, or a step), and
+clears the stamp while it waits idle; ``busy_for()`` is how long the current piece of work has
+run. A worker whose engine is ``alive`` but busy for longer than its stall bound is reported
+unhealthy (services/main.py). If the thread dies (``engine.step`` raised), every open stream and
+every pending or later ``call`` fails with ``EngineDeadError``: nothing waits for it forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -21,10 +28,34 @@ from typing import Any, TypeVar
 
 import torch
 
+from pdserve import telemetry
 from pdserve.engine import LLMEngine
 from pdserve.outputs import RequestOutput
 
 T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has ended (it raised, or the loop was stopped): this worker serves no
+    more requests. UNAVAILABLE for the gateway, which tries another worker."""
+
+
+class OutputQueue(asyncio.Queue):
+    """A request's outputs; ``get`` raises EngineDeadError once the engine thread has died."""
+
+    async def get(self) -> RequestOutput:
+        item = await super().get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _Command:
+    __slots__ = ("fn", "fail")
+
+    def __init__(self, fn: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        self.fn = fn
+        self.fail = fail
 
 
 class EngineLoop:
@@ -36,11 +67,16 @@ class EngineLoop:
         """``step_seconds(s)`` is told how long each step took (a metric)."""
         self.engine = engine
         self._step_seconds = step_seconds
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._streams: dict[str, OutputQueue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        # monotonic time the thread woke for its current work; None while it waits idle
+        self._busy_since: float | None = None
+        self._lock = threading.Lock()  # orders "dead" against commands being queued
+        self.error: BaseException | None = None  # why the thread ended (None: stopped, or running)
+        self._dead = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -49,29 +85,64 @@ class EngineLoop:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._commands.put(None)
+            with self._lock:
+                if not self._dead:
+                    self._commands.put(None)
             self._thread.join(timeout=30)
             self._thread = None
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (started, not stopped, has not died)."""
+        return self._thread is not None and self._thread.is_alive() and not self._dead
+
+    def busy_for(self) -> float:
+        """Seconds the thread has spent on its current command or step; 0 while it waits idle.
+        A step takes milliseconds to a few seconds: much longer means it is stuck."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` in the engine thread between steps; its result or exception comes back."""
+        """Run ``fn(engine)`` in the engine thread between steps; its result or exception comes
+        back. EngineDeadError when the thread has died (or dies before it runs ``fn``)."""
         assert self._loop is not None, "EngineLoop.start() first"
-        fut: asyncio.Future[T] = self._loop.create_future()
+        loop = self._loop
+        fut: asyncio.Future[T] = loop.create_future()
 
         def command() -> None:
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed back to the awaiting coroutine
-                self._loop.call_soon_threadsafe(_set_exception, fut, e)
+                loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
-                self._loop.call_soon_threadsafe(_set_result, fut, result)
+                loop.call_soon_threadsafe(_set_result, fut, result)
 
-        self._commands.put(command)
+        def fail(e: BaseException) -> None:
+            loop.call_soon_threadsafe(_set_exception, fut, e)
+
+        with self._lock:
+            if self._dead:
+                raise self._dead_error()
+            self._commands.put(_Command(command, fail))
         return await fut
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+    async def cleanup(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """``call(fn)`` for freeing a request's state: moot, and skipped, once the thread has died
+        (the engine's state went with it), so a request's clean-up never raises for that."""
+        try:
+            await self.call(fn)
+        except EngineDeadError:
+            pass
+
+    def _dead_error(self) -> EngineDeadError:
+        why = f": {type(self.error).__name__}: {self.error}" if self.error is not None else ""
+        return EngineDeadError(f"the engine thread has ended{why}")
+
+    def open_stream(self, request_id: str) -> OutputQueue:
         """Outputs of ``request_id`` will be put here (call on the event loop, before adding it)."""
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        q = OutputQueue()
+        if self._dead:
+            q.put_nowait(self._dead_error())
         self._streams[request_id] = q
         return q
 
@@ -84,24 +155,51 @@ class EngineLoop:
             if q is not None:
                 q.put_nowait(out)
 
+    def _fail_streams(self) -> None:
+        for q in self._streams.values():
+            q.put_nowait(self._dead_error())
+
     def _run(self) -> None:
-        # Tensors made in a step are inference tensors; hooks that run after it (and buffers that
-        # the transport reuses across steps) must be in inference mode too.
-        with torch.inference_mode():
-            self._serve()
+        try:
+            # Tensors made in a step are inference tensors; hooks that run after it (and buffers
+            # that the transport reuses across steps) must be in inference mode too.
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread ends; its callers learn why
+            self.error = e
+            telemetry.logger().error("engine.died", exc_info=e)
+        finally:
+            self._busy_since = None
+            with self._lock:
+                self._dead = True
+            # Nothing is queued after _dead is set: fail what was, and every open stream (unless
+            # the event loop is closed already: then nobody waits).
+            with contextlib.suppress(RuntimeError):
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if command is not None:
+                        command.fail(self._dead_error())
+                if self.error is not None:
+                    self._loop.call_soon_threadsafe(self._fail_streams)
 
     def _serve(self) -> None:
         while True:
             # Block for work only when the engine has none; otherwise drain commands and step.
             block = not self.engine.has_unfinished_requests()
+            if block:
+                self._busy_since = None
             try:
                 command = self._commands.get(block=block)
             except queue.Empty:
                 command = _NOTHING
+            self._busy_since = time.monotonic()
             while command is not _NOTHING:
                 if command is None:
                     return
-                command()
+                command.fn()
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:

@@ -9,9 +9,10 @@ exception the table does not know ends it with INTERNAL, its traceback logged.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -152,17 +153,57 @@ class Server:
     async def start(self) -> None:
         await self.server.start()
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, services: Iterable[str] | None = None) -> None:
+        """The health status of ``services`` (names; "" is the server as a whole), by default
+        of the whole server and every service it serves."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ["", *self._service_names]:
+        for name in ["", *self._service_names] if services is None else services:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.server.stop(grace)
+
+
+class Gate:
+    """Admits calls until closed, and counts the admitted ones not over yet: a draining server
+    closes it, so new calls end with UNAVAILABLE (a caller retries elsewhere), then waits until
+    the running ones are over (``wait_idle``)."""
+
+    def __init__(self, closed_message: str) -> None:
+        self.closed_message = closed_message
+        self.open = True
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        """Hold the gate for a call; StatusError(UNAVAILABLE) once it is closed."""
+        if not self.open:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, self.closed_message)
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+
+    def close(self) -> None:
+        self.open = False
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no admitted call runs (True), or ``timeout`` seconds pass (False)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
 
 def channel(address: str) -> grpc.aio.Channel:

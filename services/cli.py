@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pdserve.services import launcher
+from pdserve.services import launcher, lifecycle
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
@@ -70,6 +70,8 @@ def cmd_worker(args) -> int:
                 advertise=args.advertise,
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, args.command),
+                stall_timeout_s=args.stall_timeout,
+                drain_timeout_s=args.drain_timeout,
             )
         )
     )
@@ -88,6 +90,7 @@ def cmd_gateway(args) -> int:
                 metrics_port=args.metrics_port,
                 http_port=args.http_port,
                 telemetry=telemetry_config(args, "gateway"),
+                drain_timeout_s=args.drain_timeout,
             )
         )
     )
@@ -151,6 +154,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="hashed API keys and their limits (pdserve keys add), re-read on SIGHUP "
         "(default: $PDSERVE_API_KEYS, else none: the gateway is open to anyone)",
     )
+    _drain_arg(gw)
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     _keys_commands(sub)
@@ -171,6 +175,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
             "machine's IP)",
         )
+        w.add_argument(
+            "--stall-timeout",
+            type=float,
+            default=lifecycle.STALL_TIMEOUT_S,
+            help="seconds one engine step may take before the worker says NOT_SERVING and "
+            "deregisters (until the step ends)",
+        )
+        _drain_arg(w)
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
@@ -184,6 +196,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
     )
+    _drain_arg(up)
     _observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
@@ -251,6 +264,16 @@ def _http_arg(p: argparse.ArgumentParser) -> None:
         default=HTTP_PORT,
         help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
+    )
+
+
+def _drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=lifecycle.DRAIN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT: stop taking requests, give the running ones this many seconds "
+        "to finish, then exit 0",
     )
 
 

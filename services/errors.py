@@ -12,6 +12,7 @@ import grpc
 from pdserve.services.gateway.registry import LayoutMismatchError
 
 from pdserve.engine import AdmissionError
+from pdserve.engine_loop import EngineDeadError
 from pdserve.rpc import ErrorTable
 from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
 
@@ -28,4 +29,6 @@ STATUS_CODES: ErrorTable = {
     TransferTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     TransferError: grpc.StatusCode.UNAVAILABLE,
     TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    # a worker whose engine thread died: the gateway tries another (before the first token)
+    EngineDeadError: grpc.StatusCode.UNAVAILABLE,
 }

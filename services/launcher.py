@@ -68,13 +68,16 @@ def _interrupt(signum, frame) -> None:
 
 
 def cmd_up(args) -> int:
-    """Gateway + prefill + decode workers on loopback; Ctrl-C (SIGINT) or SIGTERM stops them all.
+    """Gateway + prefill + decode workers on loopback; Ctrl-C (SIGINT) or SIGTERM stops them all,
+    gracefully: the gateway first (it stops taking requests and lets the running ones finish,
+    which needs the workers), then the workers; each gets ``--drain-timeout`` (+ 10 s to exit).
 
     The handlers are installed explicitly: a shell starts a background job (``pdserve up &`` in a
     script) with SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])
+    observe += ["--drain-timeout", str(args.drain_timeout)]
     if args.otlp_endpoint:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
     common = [
@@ -135,4 +138,9 @@ def cmd_up(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_processes(procs)
+        # Further signals are ignored while they drain: each is bounded (SIGKILL after grace).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        grace = args.drain_timeout + 10
+        stop_processes(procs[:1], grace)  # the gateway, draining through the workers
+        stop_processes(procs[1:], grace)

@@ -3,13 +3,22 @@
 ``WorkerServer`` and ``GatewayServer`` start in the running event loop and stop on request; the
 in-process tests (tests/serve) run a whole cluster of them in one loop. ``serve_worker`` and
 ``serve_gateway`` are the processes: each starts one, prints one line ``READY <role> <host:port>``
-on stdout once it serves (``pdserve up`` and the end-to-end tests wait for it), and stops it
-cleanly on SIGINT/SIGTERM.
+on stdout once it serves (``pdserve up`` and the end-to-end tests wait for it), and on
+SIGINT/SIGTERM drains it (``drain``: new requests UNAVAILABLE, running ones finish, within
+``--drain-timeout``), stops it and exits 0.
+
+Health (gRPC health, "" and per service) says what the server can do: a worker is SERVING only
+while it is registered (when it has a gateway), not draining and its engine thread alive and not
+stuck in one command or step for longer than ``stall_timeout_s``; a worker that turns unhealthy
+deregisters (the gateway stops routing to it) and registers again if it recovers. The gateway's
+Generation service (and "") is SERVING only while ``registry.can_serve()``; its Registry service
+is SERVING from start to stop (workers register with a gateway that has none yet).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import sys
@@ -19,6 +28,7 @@ from typing import NoReturn
 
 import grpc
 import torch
+from pdserve.services import lifecycle
 from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
@@ -44,6 +54,12 @@ class WorkerOptions:
     advertise: str | None = None  # address registered with the gateway; default host:port
     metrics_port: int = 0  # /metrics over HTTP; 0 picks a port, -1 turns it off
     telemetry: telemetry.TelemetryConfig | None = None
+    # unhealthy (NOT_SERVING, deregistered) while the engine is stuck in one step this long
+    stall_timeout_s: float = lifecycle.STALL_TIMEOUT_S
+    drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
+
+    def __post_init__(self) -> None:
+        lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,10 @@ class GatewayOptions:
     telemetry: telemetry.TelemetryConfig = field(
         default_factory=lambda: telemetry.TelemetryConfig("gateway")
     )
+    drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
+
+    def __post_init__(self) -> None:
+        lifecycle.check(self.drain_timeout_s)
 
 
 def _ready(role: str, address: str, metrics: str, http: str | None = None) -> None:
@@ -133,15 +153,25 @@ class Registration:
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
 
-    async def heartbeat_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.period)
-            try:
-                hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
-                if not (await self.stub.Heartbeat(hb, timeout=5)).known:
-                    await self.register()
-            except grpc.aio.AioRpcError:
-                continue  # the gateway is away; keep trying
+    async def heartbeat(self) -> None:
+        """Renew the lease; register again when the gateway forgot this worker. A gateway that
+        does not answer is tried again next time."""
+        try:
+            hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
+            if not (await self.stub.Heartbeat(hb, timeout=min(5.0, self.period))).known:
+                await self.register()
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def deregister(self, reason: str) -> None:
+        """Leave at once (best effort: a gateway that does not answer lets the lease run out)."""
+        try:
+            await self.stub.Deregister(
+                worker_pb2.DeregisterRequest(worker_id=self.request.worker_id, reason=reason),
+                timeout=2,
+            )
+        except grpc.aio.AioRpcError:
+            pass
 
 
 def _worker_parts(opts: WorkerOptions):
@@ -184,8 +214,9 @@ class WorkerServer:
     KV transport, gRPC server and, with ``opts.gateway``, its registration and heartbeats.
 
     ``server = await WorkerServer.start(opts)`` returns once it serves (and is registered);
-    ``await server.stop()`` ends it. The ``pdserve <role>`` process runs one until signalled; the
-    in-process tests (tests/serve) start several in one event loop.
+    ``await server.drain(timeout)`` lets its requests finish, ``await server.stop()`` ends it.
+    The ``pdserve <role>`` process runs one until signalled; the in-process tests (tests/serve)
+    start several in one event loop.
     """
 
     def __init__(self, opts: WorkerOptions, engine: LLMEngine, worker, server: rpc.Server) -> None:
@@ -198,16 +229,19 @@ class WorkerServer:
         self.port = 0
         self.address = ""  # what the gateway dials (``advertised_address``)
         self.metrics_address = "-"  # /metrics host:port, "-" when off
-        # Heartbeats: the task ends only when the gateway refuses this worker
-        # (RegistrationRefusedError).
+        # Health and heartbeats (``_watch``): the task ends only when the gateway refuses this
+        # worker (RegistrationRefusedError).
         self.registration: asyncio.Task[None] | None = None
         self._registration: Registration | None = None
+        self.healthy = False  # what the health service says now
+        self.unhealthy_reason = "starting"
+        self.draining = False
         self._stopped = False
 
     @classmethod
     async def start(cls, opts: WorkerOptions) -> WorkerServer:
         """Load the engine, serve, register; RegistrationRefusedError (stopped again) when the
-        gateway refuses it."""
+        gateway refuses it. NOT_SERVING until registered."""
         engine, layout, worker, server = _worker_parts(opts)
         served = cls(opts, engine, worker, server)
         try:
@@ -215,18 +249,86 @@ class WorkerServer:
             served.address = address = advertised_address(opts.host, port, opts.advertise)
             served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
             worker.start(asyncio.get_running_loop())
+            await server.set_serving(False)
             await server.start()
-            await server.set_serving(True)
             if opts.gateway:
-                reg = served._registration = Registration(
+                served._registration = Registration(
                     opts.gateway, served.worker_id, opts.role, address, layout
                 )
-                await reg.register()  # started means: registered, the gateway routes here now
-                served.registration = asyncio.create_task(reg.heartbeat_forever())
+            await served._check()  # registers: started means the gateway routes here now
+            served.registration = asyncio.create_task(served._watch())
         except BaseException:
             await served.stop()
             raise
         return served
+
+    def _engine_problem(self) -> str | None:
+        loop = self.worker.loop
+        if not loop.alive:
+            return "engine thread has ended" + (f": {loop.error}" if loop.error else "")
+        busy = loop.busy_for()
+        if busy > self.opts.stall_timeout_s:
+            return f"engine stuck in one step for {busy:.1f} s"
+        return None
+
+    async def _check(self) -> None:
+        """Health now: on a change, deregister (unhealthy) or register (healthy again), and say so
+        on the health service."""
+        if self.draining:
+            return
+        problem = self._engine_problem()
+        if (problem is None) == self.healthy:
+            return
+        reg = self._registration
+        log = telemetry.logger()
+        if problem is not None:
+            self.healthy, self.unhealthy_reason = False, problem
+            await self.server.set_serving(False)
+            log.error("worker.unhealthy", worker_id=self.worker_id, reason=problem)
+            if reg is not None:
+                await reg.deregister(f"engine unhealthy: {problem}")
+            return
+        if reg is not None:
+            await reg.register()
+        self.healthy, self.unhealthy_reason = True, ""
+        await self.server.set_serving(True)
+        log.info("worker.serving", worker_id=self.worker_id)
+
+    async def _watch(self) -> None:
+        """Check health a few times a second; heartbeat at the registration's period while
+        healthy (an unhealthy worker sends none: it has deregistered)."""
+        tick = min(0.25, self.opts.stall_timeout_s / 4)
+        loop = asyncio.get_running_loop()
+        reg = self._registration
+        next_beat = loop.time() + (reg.period if reg else 0)
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self._check()
+            except grpc.aio.AioRpcError:
+                continue  # registering again failed: the gateway is away; try next time
+            if reg is not None and self.healthy and loop.time() >= next_beat:
+                await reg.heartbeat()
+                next_beat = loop.time() + reg.period
+
+    async def drain(self, timeout: float) -> bool:
+        """Say NOT_SERVING, deregister, refuse new requests (UNAVAILABLE: the gateway tries
+        another worker), then wait until the running ones are over or ``timeout`` seconds pass;
+        True when they all finished. ``stop()`` afterwards."""
+        self.draining, self.healthy, self.unhealthy_reason = True, False, "draining"
+        if self.registration is not None:
+            self.registration.cancel()
+        await self.server.set_serving(False)
+        if self._registration is not None:
+            await self._registration.deregister("draining")
+        gate = self.worker.gate
+        gate.close()
+        log = telemetry.logger()
+        log.info("worker.draining", worker_id=self.worker_id, running=gate.active)
+        done = await gate.wait_idle(timeout)
+        if not done:
+            log.warning("worker.drain_timeout", worker_id=self.worker_id, running=gate.active)
+        return done
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop heartbeats, stop serving (calls in flight get ``grace`` seconds), stop the engine
@@ -234,14 +336,22 @@ class WorkerServer:
         if self._stopped:
             return
         self._stopped = True
+        self.healthy = False
         if self.registration is not None:
             self.registration.cancel()
         await self.server.set_serving(False)
+        self.worker.gate.close()
         await self.server.stop(grace=grace)
+        # Cancelled calls free their blocks in their own `finally`; let them finish before the
+        # engine thread and the transport go, so no handler runs against a closed transport.
+        await self.worker.gate.wait_idle(grace + 5.0)
         self.worker.stop()
         self.worker.metrics.close()
         if self._registration is not None:
             await self._registration.channel.close()
+
+
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def _gateway_parts(opts: GatewayOptions):
@@ -263,7 +373,7 @@ def _gateway_parts(opts: GatewayOptions):
     )
     registry = gateway.registry
     server = rpc.Server(
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "pdserve.v1.Registry"],
+        [GENERATION, "pdserve.v1.Registry"],
         errors=STATUS_CODES,
     )
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
@@ -273,7 +383,8 @@ def _gateway_parts(opts: GatewayOptions):
 
 class GatewayServer:
     """The gateway serving in the running event loop: the public Generation API and the Registry
-    workers register with. ``server = await GatewayServer.start(opts)``; ``await server.stop()``."""
+    workers register with. ``server = await GatewayServer.start(opts)``; ``await server.drain(t)``
+    lets its requests finish; ``await server.stop()``."""
 
     def __init__(self, opts: GatewayOptions, gateway, registry, server: rpc.Server) -> None:
         self.opts = opts
@@ -283,6 +394,9 @@ class GatewayServer:
         self.port = 0
         self.metrics_address = "-"  # /metrics host:port, "-" when off
         self.http = None  # services.gateway.openai_http.OpenAIServer, when on
+        self.serving = False  # Generation's (and "") health now: registry.can_serve()
+        self.draining = False
+        self._health: asyncio.Task[None] | None = None
         self._stopped = False
 
     @property
@@ -301,13 +415,15 @@ class GatewayServer:
         try:
             served.port = server.bind(f"{opts.host}:{opts.port}")
             served.metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
+            await server.set_serving(False, ["", GENERATION])
+            await server.set_serving(True, ["pdserve.v1.Registry"])
             if opts.http_port >= 0:
                 from pdserve.services.gateway.openai_http import OpenAIServer
 
                 served.http = OpenAIServer(gateway, opts.host, opts.http_port)
                 await served.http.start()
             await server.start()
-            await server.set_serving(True)
+            served._health = asyncio.create_task(served._watch_health())
         except BaseException:
             await served.stop()
             raise
@@ -341,12 +457,50 @@ class GatewayServer:
         telemetry.logger().info("auth.keys_reloaded", keys=n, source=str(keys.path))
         return True
 
+    async def _update_health(self) -> None:
+        serving = not self.draining and self.registry.can_serve()
+        if serving != self.serving:
+            self.serving = serving
+            await self.server.set_serving(serving, ["", GENERATION])
+            telemetry.logger().info("gateway.health", serving=serving)
+
+    async def _watch_health(self) -> None:
+        """Recompute health when a worker registers or leaves, and a few times per lease (leases
+        run out without an event)."""
+        changed = asyncio.Event()
+        self.registry.on_change = changed.set
+        tick = min(self.registry.lease_s / 4, 1.0)
+        while True:
+            await self._update_health()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), tick)
+            changed.clear()
+
+    async def drain(self, timeout: float) -> bool:
+        """Say NOT_SERVING, refuse new requests (UNAVAILABLE), then wait until the running ones
+        are over or ``timeout`` seconds pass; True when they all finished. Workers may still
+        register and leave meanwhile. ``stop()`` afterwards."""
+        self.draining = True
+        await self._update_health()
+        gate = self.gateway.gate
+        gate.close()
+        log = telemetry.logger()
+        log.info("gateway.draining", running=gate.active)
+        done = await gate.wait_idle(timeout)
+        if not done:
+            log.warning("gateway.drain_timeout", running=gate.active)
+        return done
+
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving (calls in flight get ``grace`` seconds), close /metrics and the channels
         to workers; idempotent."""
         if self._stopped:
             return
         self._stopped = True
+        if self._health is not None:
+            self._health.cancel()
+        self.registry.on_change = None
+        await self.server.set_serving(False)
         if self.http is not None:
             await self.http.stop(grace=grace)
         await self.server.stop(grace=grace)
@@ -385,6 +539,7 @@ async def serve_worker(opts: WorkerOptions) -> None:
     )
     try:
         await _until_signalled_or(server.registration)
+        await server.drain(opts.drain_timeout_s)
     except RegistrationRefusedError as e:  # on re-registering, after the gateway forgot us
         _refused(opts.role, e)
     finally:
@@ -417,6 +572,7 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     )
     try:
         await _until_signalled()
+        await server.drain(opts.drain_timeout_s)
     finally:
         await server.stop(grace=1.0)
         telemetry.shutdown()

@@ -8,8 +8,19 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def health(address: str, service: str = "", timeout: float = 5.0) -> int:
+    """A server's gRPC health status (SERVING, NOT_SERVING) for ``service`` ("": as a whole)."""
+    with grpc.insecure_channel(address) as ch:
+        req = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(ch).Check(req, timeout=timeout).status
 
 
 def worker_stats(address: str, role: str, timeout: float = 5.0) -> worker_pb2.WorkerStats:

@@ -286,6 +286,11 @@ class RegistryStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/pdserve.v1.Registry/Deregister',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -304,6 +309,14 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """The worker leaves at once (it drains, or its engine is unhealthy): no new request is routed
+        to it; requests running there go on. It may register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +329,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DeregisterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +391,33 @@ class Registry:
             '/pdserve.v1.Registry/Heartbeat',
             pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Deregister',
+            pdserve_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

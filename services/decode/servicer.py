@@ -3,6 +3,8 @@ with the status ``services/errors.py`` gives it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.gateway.config import GatewayConfig
@@ -27,6 +29,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.worker = worker
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        with self.worker.gate.enter():  # UNAVAILABLE while draining: the gateway tries another
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _generate(self, request: worker_pb2.DecodeRequest, context):
         params = sampling_from_proto(request.sampling)
         ids = list(request.prompt_token_ids)
         parent = telemetry.from_metadata(context.invocation_metadata())

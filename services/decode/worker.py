@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve import telemetry
+from pdserve import rpc, telemetry
 from pdserve.engine import AdmissionError, LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
@@ -104,6 +104,8 @@ class DecodeWorker:
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
         phase = "decode" if transport is not None else "mixed"
+        # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
+        self.gate = rpc.Gate("this decode worker is draining (shutting down)")
         self.loop = EngineLoop(engine, step_seconds=self.metrics.step_seconds.labels(phase).observe)
         self._transfer_ids = itertools.count(1)
 
@@ -158,7 +160,7 @@ class DecodeWorker:
             dest = PoolDestination(landing.k_pools, landing.v_pools, blocks)
             recv = self.transport.expect(transfer_id, dest, kv_timeout_s)
         except BaseException:
-            await self.loop.call(lambda e: e.abort_request(request_id))
+            await self.loop.cleanup(lambda e: e.abort_request(request_id))
             raise
         deadline_ms = int((time.time() + kv_timeout_s) * 1000)
         return Admission(
@@ -231,7 +233,7 @@ class DecodeWorker:
         adm.recv.cancel("request ended before its KV arrived")
         # No KV may land in blocks after they are freed: wait until the transfer is over.
         await _settled(adm.recv)
-        await self.loop.call(lambda e: e.abort_request(adm.request_id))
+        await self.loop.cleanup(lambda e: e.abort_request(adm.request_id))
 
     async def generate_local(
         self,
@@ -261,7 +263,7 @@ class DecodeWorker:
             self.loop.close_stream(request_id)
             gen.close(error)
             if not finished:
-                await self.loop.call(lambda e: e.abort_request(request_id))
+                await self.loop.cleanup(lambda e: e.abort_request(request_id))
 
 
 def _record_receive(adm: Admission, attributes: dict, error: BaseException | None = None) -> None:

@@ -31,7 +31,7 @@ from pdserve.services.gateway.router import Router
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
 from pdserve.outputs import TokenLogprobs
-from pdserve.rpc import StatusError
+from pdserve.rpc import Gate, StatusError
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
@@ -94,6 +94,8 @@ class Gateway:
         self.keys = keys or KeyStore({})  # none: open to every caller
         self.limiter = Limiter(self.metrics)
         self._ids = itertools.count()
+        # closed while the gateway drains: new requests get UNAVAILABLE, running ones finish
+        self.gate = Gate("the gateway is draining (shutting down)")
 
     def authenticate(self, authorization: str | None) -> ApiKey | None:
         """The caller's key from an ``authorization`` header value (``Bearer <key>``), None when
@@ -136,33 +138,35 @@ class Gateway:
         """Deltas of ``req`` until one carries a finish reason (and the usage). ``caller``: what
         ``authenticate`` returned (None is refused when keys are configured). ValueError for a
         prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it,
-        RateLimited / RequestTooLarge when the caller's limits refuse it."""
+        RateLimited / RequestTooLarge when the caller's limits refuse it, UNAVAILABLE while the
+        gateway drains."""
         if caller is None:
             self.authenticate(None)  # refuses unless the gateway is open
-        ids, prompt_text = encode(prompt, self.tokenizer)
-        req.prepared(ids, params.max_tokens, prompt_text)
-        validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
-        text = TextStream(self.tokenizer, ids, params.stop)
-        # prompt + max_tokens reserved from the key's budget; what is not used is refunded when
-        # the request ends, however it ends (finish, stop string, error, cancel, closed early)
-        grant = None
-        if caller is not None:
-            req.log = req.log.bind(key=caller.key_id)
-            req.span.set_attribute("api_key", caller.key_id)
-            grant = self.limiter.admit(caller, len(ids), params.max_tokens)
-        num_tokens = 0
-        try:
-            async for delta in self._route(req, ids, params, text, timeout):
-                num_tokens += len(delta.token_ids)
-                req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
-                if delta.finish_reason:
-                    delta.usage = Usage(len(ids), num_tokens)
-                yield delta
-                if delta.finish_reason:
-                    return
-        finally:
-            if grant is not None:
-                grant.release(len(ids) + num_tokens)
+        with self.gate.enter():
+            ids, prompt_text = encode(prompt, self.tokenizer)
+            req.prepared(ids, params.max_tokens, prompt_text)
+            validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
+            text = TextStream(self.tokenizer, ids, params.stop)
+            # prompt + max_tokens reserved from the key's budget; what is not used is refunded
+            # when the request ends, however it ends (finish, stop string, error, cancel)
+            grant = None
+            if caller is not None:
+                req.log = req.log.bind(key=caller.key_id)
+                req.span.set_attribute("api_key", caller.key_id)
+                grant = self.limiter.admit(caller, len(ids), params.max_tokens)
+            num_tokens = 0
+            try:
+                async for delta in self._route(req, ids, params, text, timeout):
+                    num_tokens += len(delta.token_ids)
+                    req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
+                    if delta.finish_reason:
+                        delta.usage = Usage(len(ids), num_tokens)
+                    yield delta
+                    if delta.finish_reason:
+                        return
+            finally:
+                if grant is not None:
+                    grant.release(len(ids) + num_tokens)
 
     async def _route(
         self, req: GatewayRequest, ids, params, text: TextStream, timeout
@@ -248,17 +252,18 @@ class Gateway:
         rid = f"{req.request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
-        if prefill is None:
-            local = self.router.pick(
-                self.registry.alive("colocated") + self.registry.alive("decode"), exclude
-            )
+        decode = self.router.pick(self.registry.alive("decode"), exclude) if prefill else None
+        if decode is None:
+            # No pair: a colocated worker, or (no prefill worker at all) a decode worker prefills
+            # locally. registry.can_serve() is this rule, for the gateway's health.
+            pool = self.registry.alive("colocated")
+            if prefill is None:
+                pool += self.registry.alive("decode")
+            local = self.router.pick(pool, exclude)
             if local is None:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, ids, params, timeout, md)
-        decode = self.router.pick(self.registry.alive("decode"), exclude)
-        if decode is None:
-            return None
         req.routed("disaggregated", decode.address, prefill.address, attempt)
         return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve import rpc
@@ -44,6 +45,8 @@ class WorkerRegistry:
         self.lease_s = lease_s
         self.workers: dict[str, Worker] = {}
         self.compat_hash: str | None = None  # of the first worker; every other must match
+        # called when a worker registers or deregisters (a lease running out is seen by polling)
+        self.on_change: Callable[[], None] | None = None
 
     def register(
         self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False
@@ -62,6 +65,7 @@ class WorkerRegistry:
         old = self.workers.get(worker_id)
         if old is not None and old.address == address and old.role == role:
             old.lease_expires = time.monotonic() + self.lease_s
+            self._changed()
             return old
         w = Worker(
             worker_id,
@@ -72,7 +76,24 @@ class WorkerRegistry:
             lease_expires=time.monotonic() + self.lease_s,
         )
         self.workers[worker_id] = w
+        self._changed()
         return w
+
+    def deregister(self, worker_id: str) -> bool:
+        """The worker leaves (draining, or its engine is unhealthy): no new request is routed
+        there. It stays listed, not alive, so requests running there keep its channel; it may
+        register again. False if it was not alive here."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.alive:
+            return False
+        w.static = False
+        w.lease_expires = 0.0
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def heartbeat(self, worker_id: str) -> bool:
         w = self.workers.get(worker_id)
@@ -83,3 +104,9 @@ class WorkerRegistry:
 
     def alive(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    def can_serve(self) -> bool:
+        """A request can be served: there is a decode worker (with a prefill worker the request is
+        disaggregated; without one, the decode worker prefills locally, the counted fallback) or a
+        colocated worker. Prefill workers alone serve nothing. Mirrors ``Gateway._pick``."""
+        return bool(self.alive("decode") or self.alive("colocated"))

@@ -127,3 +127,10 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context):
         return worker_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.worker_id))
+
+    async def Deregister(self, request: worker_pb2.DeregisterRequest, context):
+        known = self.registry.deregister(request.worker_id)
+        telemetry.logger().info(
+            "worker.deregistered", worker_id=request.worker_id, reason=request.reason, known=known
+        )
+        return worker_pb2.DeregisterResponse(known=known)

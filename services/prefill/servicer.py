@@ -21,6 +21,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context
     ) -> worker_pb2.PrefillResponse:
+        with self.worker.gate.enter():  # UNAVAILABLE while draining: the gateway tries another
+            return await self._prefill(request, context)
+
+    async def _prefill(
+        self, request: worker_pb2.PrefillRequest, context
+    ) -> worker_pb2.PrefillResponse:
         d = request.destination
         params = sampling_from_proto(request.sampling)
         dest = Destination(

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve import telemetry
+from pdserve import rpc, telemetry
 from pdserve.engine import LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
@@ -41,6 +41,8 @@ class PrefillWorker:
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
+        # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
+        self.gate = rpc.Gate("this prefill worker is draining (shutting down)")
         self.loop = EngineLoop(
             engine, step_seconds=self.metrics.step_seconds.labels("prefill").observe
         )
@@ -164,9 +166,9 @@ class PrefillWorker:
         finally:
             self.loop.close_stream(request_id)
             if done:  # tx.wait() has returned or raised: no send reads the pools any more
-                await self.loop.call(lambda e: e.release_held(request_id))
+                await self.loop.cleanup(lambda e: e.release_held(request_id))
             else:
-                await self.loop.call(lambda e: e.abort_request(request_id))
+                await self.loop.cleanup(lambda e: e.abort_request(request_id))
                 task = asyncio.create_task(self._release_when_settled(request_id, tx))
                 self._releasing.add(task)
                 task.add_done_callback(self._releasing.discard)
@@ -176,4 +178,4 @@ class PrefillWorker:
         (completed, failed, or past their deadline: ``wait`` returns by then)."""
         with contextlib.suppress(Exception):
             await asyncio.to_thread(tx.wait)
-        await self.loop.call(lambda e: e.release_held(request_id))
+        await self.loop.cleanup(lambda e: e.release_held(request_id))

@@ -129,6 +129,7 @@ class Cluster:
         queue_timeout_s: float,
         api_keys_file: str | None = None,
         http: bool = False,
+        lease_s: float = GatewayConfig.lease_s,
     ) -> None:
         self.model = model
         self.loop = LoopThread()
@@ -138,7 +139,10 @@ class Cluster:
                     model=str(model),
                     port=0,
                     config=GatewayConfig(
-                        policy=policy, queue_timeout_s=queue_timeout_s, api_keys_file=api_keys_file
+                        policy=policy,
+                        queue_timeout_s=queue_timeout_s,
+                        api_keys_file=api_keys_file,
+                        lease_s=lease_s,
                     ),
                     metrics_port=-1,
                     http_port=0 if http else -1,
@@ -157,9 +161,15 @@ class Cluster:
         """The OpenAI-compatible HTTP API's host:port (a cluster started with ``http=True``)."""
         return self.gateway.http_address
 
-    def start_worker(
-        self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
-    ) -> WorkerServer:
+    def worker_options(
+        self,
+        role: str,
+        max_num_seqs: int = 64,
+        block_size: int = 16,
+        gateway: str | None = None,
+        **options: Any,
+    ) -> WorkerOptions:
+        """A worker of the tiny model registering with ``gateway`` (default: this cluster's)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
@@ -167,15 +177,19 @@ class Cluster:
             cache=CacheConfig(block_size=block_size, kv_cache_bytes=KV_CACHE_BYTES),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         )
-        opts = WorkerOptions(
+        return WorkerOptions(
             role=role,
             engine=engine,
             port=0,
-            gateway=self.address,
+            gateway=gateway or self.address,
             transport="loopback",
             metrics_port=-1,
+            **options,
         )
-        self.workers[name] = self.loop.run(WorkerServer.start(opts))
+
+    def start_worker(self, name: str, role: str, **options: Any) -> WorkerServer:
+        """Started and registered; ``options`` as ``worker_options`` takes them."""
+        self.workers[name] = self.loop.run(WorkerServer.start(self.worker_options(role, **options)))
         return self.workers[name]
 
     def stop_worker(self, name: str) -> None:
@@ -222,10 +236,11 @@ def start_cluster(
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
     api_keys_file: str | None = None,
     http: bool = False,
+    lease_s: float = GatewayConfig.lease_s,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
     ``http``: the gateway serves its OpenAI-compatible HTTP API too."""
-    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http)
+    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http, lease_s)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")

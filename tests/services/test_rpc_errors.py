@@ -16,6 +16,7 @@ from pdserve.services.gateway.registry import LayoutMismatchError
 
 from pdserve import rpc
 from pdserve.engine import AdmissionError
+from pdserve.engine_loop import EngineDeadError
 from pdserve.transfer import (
     HeaderMismatchError,
     PeerUnreachableError,
@@ -36,6 +37,7 @@ EXPECTED = [
     (TransferTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (PeerUnreachableError, grpc.StatusCode.UNAVAILABLE),
     (UnicodeDecodeError, grpc.StatusCode.INVALID_ARGUMENT),  # a ValueError
 ]
