@@ -29,8 +29,18 @@ def _refused(address: str, key: str) -> bool:
 def test_sighup_reloads_the_key_file(tmp_path, default_model_dir):
     path = tmp_path / "keys.json"
     alice = add_key(path, "alice", KeyLimits(rpm=100))
-    proc, address, _ = start_process(
-        ["gateway", "--model", str(default_model_dir), "--port", "0", "--metrics-port", "-1"]
+    proc, address, _, _ = start_process(
+        [
+            "gateway",
+            "--model",
+            str(default_model_dir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--http-port",
+            "-1",
+        ]
         + ["--api-keys", str(path), "--log-format", "json"],
         stderr=subprocess.PIPE,
         timeout=120,
