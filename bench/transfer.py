@@ -191,7 +191,9 @@ def serving(args: argparse.Namespace) -> None:
 
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-    env = dict(UCX_ENV)
+    import secrets
+
+    env = {**UCX_ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
     procs = []
     try:
         gw = start_process(["gateway", "--port", "0"], env=env)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from pdserve.client import tls_credentials
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.v1.convert import sampling_to_proto
@@ -132,11 +133,16 @@ async def run_load(
     output_len: int,
     seed: int,
     timeout: float,
+    tls_ca: str | None = None,
 ) -> dict:
     rng = random.Random(seed)
     dist = parse_lengths(prompt_dist)
     jobs = [sample_length(rng, dist) for _ in range(num_requests)]
-    async with grpc.aio.insecure_channel(url) as channel:
+    if tls_ca is None:
+        channel = grpc.aio.insecure_channel(url)
+    else:
+        channel = grpc.aio.secure_channel(url, tls_credentials(tls_ca))
+    async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         results: list[RequestResult] = []
         start = time.perf_counter()
@@ -203,6 +209,7 @@ def cmd_bench_serve(args) -> int:
             args.output_len,
             args.seed,
             args.timeout,
+            args.tls_ca,
         )
     )
     print_summary(summary)
@@ -217,6 +224,7 @@ def add_command(bsub) -> None:
         "serve", help="load a running gateway; TTFT/TPOT/ITL percentiles and throughput"
     )
     s.add_argument("--url", required=True, help="gateway host:port")
+    s.add_argument("--tls-ca", default=None, help="dial over TLS, trusting this CA (PEM)")
     s.add_argument("--requests", type=int, default=32)
     s.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")
     s.add_argument(

@@ -89,7 +89,7 @@ def _generate_remote(args) -> int:
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     reason = None
     try:
-        with Client(args.url) as client:
+        with Client(args.url, tls_ca=args.tls_ca) as client:
             for delta in client.generate_stream(prompt, _sampling(args)):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument(
         "--url", default=None, help="a running gateway (host:port) instead of a local engine"
+    )
+    g.add_argument(
+        "--tls-ca", default=None, help="with --url: dial over TLS, trusting this CA (PEM)"
     )
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # generate's own choices: greedy and 128 tokens (the API's defaults are SamplingParams')

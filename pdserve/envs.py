@@ -29,3 +29,13 @@ def layer_loop_enabled() -> bool:
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+
+
+def cluster_token() -> str | None:
+    """The secret workers present when they register with the gateway (PDSERVE_CLUSTER_TOKEN;
+    unset or empty: none). An environment variable rather than a flag, so that it stays out of
+    the process list."""
+    return os.environ.get(CLUSTER_TOKEN_ENV) or None

@@ -14,6 +14,7 @@ from pdserve.services import launcher
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
+from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.transfer import TRANSPORTS
 
@@ -52,6 +53,24 @@ def telemetry_config(args, service: str):
     )
 
 
+def tls_config(args):
+    """The process's TLSConfig from --tls-*; None without --tls-cert."""
+    from pdserve.tls import TLSConfig
+
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    return TLSConfig(
+        cert=args.tls_cert,
+        key=args.tls_key,
+        ca=args.tls_ca,
+        server_name=getattr(args, "tls_server_name", None),
+    )
+
+
+def cluster_token(args) -> str | None:
+    return args.cluster_token or envs.cluster_token()
+
+
 def cmd_worker(args) -> int:
     from pdserve.services.main import WorkerOptions, run, serve_worker
 
@@ -69,6 +88,8 @@ def cmd_worker(args) -> int:
                 advertise=args.advertise,
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, args.command),
+                tls=tls_config(args),
+                cluster_token=cluster_token(args),
             )
         )
     )
@@ -86,6 +107,9 @@ def cmd_gateway(args) -> int:
                 config=gateway_config(args),
                 metrics_port=args.metrics_port,
                 telemetry=telemetry_config(args, "gateway"),
+                tls=tls_config(args),
+                registry_port=args.registry_port,
+                cluster_token=cluster_token(args),
             )
         )
     )
@@ -96,8 +120,17 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    tls = tls_config(args)
+    if tls is None:
+        channel = grpc.insecure_channel(args.address)
+    else:
+        from pdserve.tls import channel_credentials, channel_options
+
+        channel = grpc.secure_channel(
+            args.address, channel_credentials(tls), options=channel_options(tls)
+        )
     try:
-        with grpc.insecure_channel(args.address) as ch:
+        with channel as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
@@ -141,6 +174,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
     )
+    gw.add_argument(
+        "--registry-port",
+        type=int,
+        default=None,
+        help="serve the worker Registry on this port of its own (0 picks one; with --tls-ca it "
+        "requires client certificates); default: on --port",
+    )
+    _tls_args(gw)
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     for role in ROLES:
@@ -160,6 +201,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             help="address the gateway dials (default host:port; with --host 0.0.0.0, this "
             "machine's IP)",
         )
+        _tls_args(w)
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
@@ -172,13 +214,46 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
     )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a throwaway CA and certificates (in a temporary folder, removed on exit): TLS "
+        "on the public port, mutual TLS between the processes",
+    )
     _observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
     h.add_argument("address", help="host:port")
     h.add_argument("--service", default="", help="a service name; default: the server as a whole")
     h.add_argument("--timeout", type=float, default=3.0)
+    for flag, what in (("--tls-ca", "the cluster CA"), ("--tls-cert", "our certificate")):
+        h.add_argument(flag, default=None, help=f"{what} (PEM): check a mutual-TLS port")
+    h.add_argument("--tls-key", default=None, help="our private key (PEM)")
+    h.add_argument("--tls-server-name", default=None, help="the name the server's cert carries")
     h.set_defaults(func=cmd_health)
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM): serve TLS")
+    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="the cluster CA (PEM): mutual TLS between gateway and workers; only holders of a "
+        "certificate it issued can register or serve",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="the name the cluster peers' certificates carry, checked instead of the host dialed "
+        "(e.g. workers that register by IP address)",
+    )
+    p.add_argument(
+        "--cluster-token",
+        default=None,
+        help=f"the secret workers register with (prefer ${envs.CLUSTER_TOKEN_ENV}: a flag shows "
+        "in the process list)",
+    )
 
 
 def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:

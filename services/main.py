@@ -22,7 +22,7 @@ import torch
 from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway.config import GatewayConfig
 
-from pdserve import rpc, telemetry
+from pdserve import rpc, telemetry, tls
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.config import ModelConfig
@@ -43,6 +43,16 @@ class WorkerOptions:
     advertise: str | None = None  # address registered with the gateway; default host:port
     metrics_port: int = 0  # /metrics over HTTP; 0 picks a port, -1 turns it off
     telemetry: telemetry.TelemetryConfig | None = None
+    # Mutual TLS: serve Prefill/Decode to holders of a cluster certificate only, and dial the
+    # gateway's Registry with ours. A worker's TLS is always mutual.
+    tls: tls.TLSConfig | None = None
+    cluster_token: str | None = None  # sent with Register/Heartbeat
+
+    def __post_init__(self) -> None:
+        if self.tls is not None and not self.tls.mutual:
+            raise ValueError(
+                "a worker's TLS is mutual: give --tls-ca as well as --tls-cert and --tls-key"
+            )
 
 
 @dataclass(frozen=True)
@@ -56,11 +66,35 @@ class GatewayOptions:
     telemetry: telemetry.TelemetryConfig = field(
         default_factory=lambda: telemetry.TelemetryConfig("gateway")
     )
+    # ``tls.cert``/``tls.key``: the public port (and any other public server, e.g. HTTP) serves
+    # TLS with them; ``tls.ca``: the Registry port requires client certificates from this CA and
+    # the gateway dials workers with its certificate.
+    tls: tls.TLSConfig | None = None
+    # The Registry on a port of its own (0 picks one); None: on the public port.
+    registry_port: int | None = None
+    cluster_token: str | None = None  # required on Register/Heartbeat when set
+
+    def __post_init__(self) -> None:
+        if self.cluster_token is None and not self.registry_requires_client_cert:
+            raise ValueError(
+                "worker registration must be authenticated: give a cluster token "
+                "(PDSERVE_CLUSTER_TOKEN or --cluster-token), or mutual TLS (--tls-ca, --tls-cert, "
+                "--tls-key) with the Registry on its own port (--registry-port)"
+            )
+        if self.cluster_token == "":
+            raise ValueError("the cluster token must not be empty")
+
+    @property
+    def registry_requires_client_cert(self) -> bool:
+        """Whether the handshake itself refuses a Registry client without a cluster certificate."""
+        return self.registry_port is not None and self.tls is not None and self.tls.mutual
 
 
-def _ready(role: str, address: str, metrics: str) -> None:
-    """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off)."""
-    print(f"READY {role} {address} metrics={metrics}", flush=True)
+def _ready(role: str, address: str, metrics: str, registry: str | None = None) -> None:
+    """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off); the
+    gateway adds ``registry=<host:port>``, where workers register."""
+    extra = f" registry={registry}" if registry else ""
+    print(f"READY {role} {address} metrics={metrics}{extra}", flush=True)
 
 
 def _serve_metrics(metrics, host: str, port: int) -> str:
@@ -108,8 +142,19 @@ class Registration:
     """Register with the gateway, then heartbeat at a third of the lease; re-register when the
     gateway forgot this worker (its lease ran out, or the gateway restarted)."""
 
-    def __init__(self, gateway: str, worker_id: str, role: str, address: str, layout) -> None:
-        self.channel = rpc.channel(gateway)
+    def __init__(
+        self,
+        gateway: str,
+        worker_id: str,
+        role: str,
+        address: str,
+        layout,
+        tls_config: tls.TLSConfig | None = None,
+        cluster_token: str | None = None,
+    ) -> None:
+        credentials = tls.channel_credentials(tls_config) if tls_config is not None else None
+        self.channel = rpc.channel(gateway, credentials, tls.channel_options(tls_config))
+        self.metadata = ((tls.TOKEN_METADATA_KEY, cluster_token),) if cluster_token else ()
         self.stub = worker_pb2_grpc.RegistryStub(self.channel)
         self.request = worker_pb2.RegisterRequest(
             worker_id=worker_id,
@@ -122,9 +167,13 @@ class Registration:
     async def register(self) -> None:
         """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
         try:
-            resp = await self.stub.Register(self.request, timeout=10)
+            resp = await self.stub.Register(self.request, timeout=10, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            if e.code() in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAUTHENTICATED,
+            ):
                 raise RegistrationRefusedError(e.details()) from None
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
@@ -134,7 +183,8 @@ class Registration:
             await asyncio.sleep(self.period)
             try:
                 hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
-                if not (await self.stub.Heartbeat(hb, timeout=5)).known:
+                resp = await self.stub.Heartbeat(hb, timeout=5, metadata=self.metadata)
+                if not resp.known:
                     await self.register()
             except grpc.aio.AioRpcError:
                 continue  # the gateway is away; keep trying
@@ -207,7 +257,10 @@ class WorkerServer:
         engine, layout, worker, server = _worker_parts(opts)
         served = cls(opts, engine, worker, server)
         try:
-            served.port = port = server.bind(f"{opts.host}:{opts.port}")
+            credentials = (
+                tls.server_credentials(opts.tls, require_client_cert=True) if opts.tls else None
+            )
+            served.port = port = server.bind(f"{opts.host}:{opts.port}", credentials)
             served.address = address = advertised_address(opts.host, port, opts.advertise)
             served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
             worker.start(asyncio.get_running_loop())
@@ -215,7 +268,13 @@ class WorkerServer:
             await server.set_serving(True)
             if opts.gateway:
                 reg = served._registration = Registration(
-                    opts.gateway, served.worker_id, opts.role, address, layout
+                    opts.gateway,
+                    served.worker_id,
+                    opts.role,
+                    address,
+                    layout,
+                    opts.tls,
+                    opts.cluster_token,
                 )
                 await reg.register()  # started means: registered, the gateway routes here now
                 served.registration = asyncio.create_task(reg.heartbeat_forever())
@@ -241,36 +300,58 @@ class WorkerServer:
 
 
 def _gateway_parts(opts: GatewayOptions):
-    """The gateway, its worker registry and its gRPC server, not started yet."""
+    """The gateway, its worker registry, its public gRPC server and the Registry's own server
+    (None when the Registry is on the public one), none of them started yet."""
     from pdserve.services.gateway.gateway import Gateway
+    from pdserve.services.gateway.registry import WorkerRegistry
     from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
     folder = resolve_model(opts.model)
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    registry = WorkerRegistry(opts.config.lease_s, opts.tls)
     gateway = Gateway(
-        Tokenizer.from_folder(folder), max_len, cfg.vocab_size, folder.name, opts.config
+        Tokenizer.from_folder(folder),
+        max_len,
+        cfg.vocab_size,
+        folder.name,
+        opts.config,
+        registry=registry,
     )
-    registry = gateway.registry
-    server = rpc.Server(
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, "pdserve.v1.Registry"],
-        errors=STATUS_CODES,
-    )
+    generation = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    registry_servicer = RegistryServicer(registry, opts.cluster_token)
+    if opts.registry_port is None:
+        server = rpc.Server([generation, "pdserve.v1.Registry"], errors=STATUS_CODES)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry_servicer, server.server)
+        registry_server = None
+    else:
+        server = rpc.Server([generation], errors=STATUS_CODES)
+        registry_server = rpc.Server(["pdserve.v1.Registry"], errors=STATUS_CODES)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry_servicer, registry_server.server)
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
-    worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
-    return gateway, registry, server
+    return gateway, registry, server, registry_server
 
 
 class GatewayServer:
     """The gateway serving in the running event loop: the public Generation API and the Registry
-    workers register with. ``server = await GatewayServer.start(opts)``; ``await server.stop()``."""
+    workers register with (on the same port, or with ``opts.registry_port`` on its own).
+    ``server = await GatewayServer.start(opts)``; ``await server.stop()``."""
 
-    def __init__(self, opts: GatewayOptions, gateway, registry, server: rpc.Server) -> None:
+    def __init__(
+        self,
+        opts: GatewayOptions,
+        gateway,
+        registry,
+        server: rpc.Server,
+        registry_server: rpc.Server | None,
+    ) -> None:
         self.opts = opts
         self.gateway = gateway  # services.gateway.gateway.Gateway
         self.registry = registry  # services.gateway.registry.WorkerRegistry
         self.server = server
+        self.registry_server = registry_server
         self.port = 0
+        self.registry_port = 0
         self.metrics_address = "-"  # /metrics host:port, "-" when off
         self._stopped = False
 
@@ -278,15 +359,30 @@ class GatewayServer:
     def address(self) -> str:
         return f"{self.opts.host}:{self.port}"
 
+    @property
+    def registry_address(self) -> str:
+        """Where workers register (``--gateway`` of a worker)."""
+        return f"{self.opts.host}:{self.registry_port}"
+
     @classmethod
     async def start(cls, opts: GatewayOptions) -> GatewayServer:
-        gateway, registry, server = _gateway_parts(opts)
-        served = cls(opts, gateway, registry, server)
+        gateway, registry, server, registry_server = _gateway_parts(opts)
+        served = cls(opts, gateway, registry, server, registry_server)
         try:
-            served.port = server.bind(f"{opts.host}:{opts.port}")
+            public = tls.server_credentials(opts.tls, False) if opts.tls else None
+            served.port = served.registry_port = server.bind(f"{opts.host}:{opts.port}", public)
+            if registry_server is not None:
+                internal = None
+                if opts.tls is not None:
+                    internal = tls.server_credentials(opts.tls, opts.tls.mutual)
+                served.registry_port = registry_server.bind(
+                    f"{opts.host}:{opts.registry_port}", internal
+                )
             served.metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
-            await server.start()
-            await server.set_serving(True)
+            for s in (server, registry_server):
+                if s is not None:
+                    await s.start()
+                    await s.set_serving(True)
         except BaseException:
             await served.stop()
             raise
@@ -298,6 +394,8 @@ class GatewayServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.registry_server is not None:
+            await self.registry_server.stop(grace=grace)
         await self.server.stop(grace=grace)
         self.gateway.metrics.close()
         for w in list(self.registry.workers.values()):
@@ -350,12 +448,15 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     """``pdserve gateway``: serve until signalled."""
     telemetry.setup(opts.telemetry)
     server = await GatewayServer.start(opts)
-    _ready("gateway", server.address, server.metrics_address)
+    _ready("gateway", server.address, server.metrics_address, server.registry_address)
     telemetry.logger().info(
         "gateway.ready",
         address=server.address,
+        registry=server.registry_address,
         metrics=server.metrics_address,
         policy=opts.config.policy,
+        tls=opts.tls is not None,
+        mutual_tls=opts.tls is not None and opts.tls.mutual,
         tracing=telemetry.tracing_enabled(),
     )
     try:

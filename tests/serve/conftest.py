@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import secrets
 import shutil
 import threading
 from collections.abc import Coroutine
@@ -124,6 +125,7 @@ class Cluster:
 
     def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
         self.model = model
+        self.token = secrets.token_urlsafe(16)  # workers register with it
         self.loop = LoopThread()
         self.gateway = self.loop.run(
             GatewayServer.start(
@@ -132,6 +134,7 @@ class Cluster:
                     port=0,
                     config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
                     metrics_port=-1,
+                    cluster_token=self.token,
                 )
             )
         )
@@ -159,6 +162,7 @@ class Cluster:
             gateway=self.address,
             transport="loopback",
             metrics_port=-1,
+            cluster_token=self.token,
         )
         self.workers[name] = self.loop.run(WorkerServer.start(opts))
         return self.workers[name]
