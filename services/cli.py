@@ -142,6 +142,18 @@ def cmd_health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_certs(args) -> int:
+    """Write a new cluster CA and a gateway and a worker certificate into ``args.folder``."""
+    from pathlib import Path
+
+    from pdserve.certs import LOCAL_NAMES, make_cluster_certs
+
+    made = make_cluster_certs(Path(args.folder), (*args.host, *LOCAL_NAMES))
+    for name, f in made.items():
+        print(f"{name}: --tls-ca {f.ca} --tls-cert {f.cert} --tls-key {f.key}")
+    return 0
+
+
 def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     from pdserve.model.fetch import DEFAULT_MODEL
 
@@ -231,6 +243,19 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     h.add_argument("--tls-key", default=None, help="our private key (PEM)")
     h.add_argument("--tls-server-name", default=None, help="the name the server's cert carries")
     h.set_defaults(func=cmd_health)
+    c = sub.add_parser(
+        "certs",
+        help="make a cluster CA (ca.pem; its key is not kept) and gateway and worker "
+        "certificates issued by it, for --tls-ca/--tls-cert/--tls-key",
+    )
+    c.add_argument("folder", help="written into (key files 0600)")
+    c.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the certificates are for (repeatable); loopback is added",
+    )
+    c.set_defaults(func=cmd_certs)
 
 
 def _tls_args(p: argparse.ArgumentParser) -> None:

@@ -107,7 +107,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             return
         given = dict(context.invocation_metadata()).get(tls.TOKEN_METADATA_KEY)
         if not tls.token_matches(given, self.cluster_token):
-            reason = "no cluster token" if given is None else "wrong cluster token"
+            reason = "wrong cluster token" if given else "no cluster token"
             telemetry.logger().warning("worker.unauthenticated", peer=context.peer(), error=reason)
             raise StatusError(
                 grpc.StatusCode.UNAUTHENTICATED,

@@ -25,7 +25,9 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.main import GatewayOptions, GatewayServer, WorkerOptions, WorkerServer
 from safetensors.torch import save_file
 
+from pdserve.certs import CertFiles
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.tls import TLSConfig
 
 T = TypeVar("T")
 
@@ -121,11 +123,22 @@ class LoopThread:
 
 
 class Cluster:
-    """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
+    """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes.
 
-    def __init__(self, model: Path, policy: str, queue_timeout_s: float) -> None:
+    Workers register with a cluster token; with ``certs`` (``pdserve.certs.make_cluster_certs``)
+    and no token instead: the gateway serves TLS, its Registry on a port of its own that requires
+    a cluster certificate, and every process talks mutual TLS to the others."""
+
+    def __init__(
+        self,
+        model: Path,
+        policy: str,
+        queue_timeout_s: float,
+        certs: dict[str, CertFiles] | None = None,
+    ) -> None:
         self.model = model
-        self.token = secrets.token_urlsafe(16)  # workers register with it
+        self.certs = certs
+        self.token = None if certs else secrets.token_urlsafe(16)  # workers register with it
         self.loop = LoopThread()
         self.gateway = self.loop.run(
             GatewayServer.start(
@@ -135,6 +148,8 @@ class Cluster:
                     config=GatewayConfig(policy=policy, queue_timeout_s=queue_timeout_s),
                     metrics_port=-1,
                     cluster_token=self.token,
+                    tls=self._tls("gateway"),
+                    registry_port=0 if certs else None,
                 )
             )
         )
@@ -144,6 +159,12 @@ class Cluster:
     @property
     def address(self) -> str:
         return self.gateway.address
+
+    def _tls(self, name: str) -> TLSConfig | None:
+        if self.certs is None:
+            return None
+        f = self.certs[name]
+        return TLSConfig(cert=str(f.cert), key=str(f.key), ca=str(f.ca))
 
     def start_worker(
         self, name: str, role: str, max_num_seqs: int = 64, block_size: int = 16
@@ -159,10 +180,11 @@ class Cluster:
             role=role,
             engine=engine,
             port=0,
-            gateway=self.address,
+            gateway=self.gateway.registry_address,
             transport="loopback",
             metrics_port=-1,
             cluster_token=self.token,
+            tls=self._tls("worker"),
         )
         self.workers[name] = self.loop.run(WorkerServer.start(opts))
         return self.workers[name]
@@ -209,9 +231,10 @@ def start_cluster(
     policy: str = "least_loaded",
     decode_seqs: int = 64,
     queue_timeout_s: float = GatewayConfig.queue_timeout_s,
+    certs: dict[str, CertFiles] | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered."""
-    c = Cluster(model, policy, queue_timeout_s)
+    c = Cluster(model, policy, queue_timeout_s, certs)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")
