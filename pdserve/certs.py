@@ -123,9 +123,7 @@ class CertificateAuthority:
         return CertFiles(self.ca_path, cert_path, key_path)
 
 
-def make_cluster_certs(
-    folder: Path, hosts: tuple[str, ...] = LOCAL_NAMES
-) -> dict[str, CertFiles]:
+def make_cluster_certs(folder: Path, hosts: tuple[str, ...] = LOCAL_NAMES) -> dict[str, CertFiles]:
     """A new CA in ``folder`` and two certificates it issued, ``gateway`` and ``worker``, for
     ``hosts``; the CA's key is not kept (nothing more can be issued)."""
     ca = CertificateAuthority(folder)

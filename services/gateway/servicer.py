@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
-
 from pdserve.services.gateway.gateway import Delta, Gateway
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry

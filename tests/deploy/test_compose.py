@@ -138,7 +138,9 @@ def test_tls_override_runs_mutual_tls_with_the_registry_on_its_own_port():
         assert args.gateway == f"gateway:{gateway.registry_port}"
         assert args.tls_cert.endswith("/worker.pem") and args.tls_key.endswith("/worker.key")
         assert {k: v for k, v in vars(args).items() if not k.startswith(("tls_", "gateway"))} == {
-            k: v for k, v in vars(_args(base[role])).items() if not k.startswith(("tls_", "gateway"))
+            k: v
+            for k, v in vars(_args(base[role])).items()
+            if not k.startswith(("tls_", "gateway"))
         }, "the override changes the TLS flags and the registry address only"
 
 
