@@ -6,6 +6,7 @@ The processes themselves start in ``main.py``; ``up`` and the READY handshake ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -120,14 +121,20 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    tls = tls_config(args)
-    if tls is None:
+    if args.tls_ca is None:
         channel = grpc.insecure_channel(args.address)
-    else:
-        from pdserve.tls import channel_credentials, channel_options
+    else:  # TLS; with --tls-cert/--tls-key, presenting our certificate (a mutual-TLS port)
 
+        def read(path: str | None) -> bytes | None:
+            with open(path, "rb") if path else contextlib.nullcontext() as f:
+                return f.read() if f else None
+
+        credentials = grpc.ssl_channel_credentials(
+            read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
+        )
+        options = [("grpc.ssl_target_name_override", args.tls_server_name)]
         channel = grpc.secure_channel(
-            args.address, channel_credentials(tls), options=channel_options(tls)
+            args.address, credentials, options=options if args.tls_server_name else None
         )
     try:
         with channel as ch:

@@ -369,11 +369,12 @@ class GatewayServer:
         gateway, registry, server, registry_server = _gateway_parts(opts)
         served = cls(opts, gateway, registry, server, registry_server)
         try:
-            public = tls.server_credentials(opts.tls, False) if opts.tls else None
+            secure = opts.tls is not None and opts.tls.enabled
+            public = tls.server_credentials(opts.tls, False) if secure else None
             served.port = served.registry_port = server.bind(f"{opts.host}:{opts.port}", public)
             if registry_server is not None:
                 internal = None
-                if opts.tls is not None:
+                if secure:
                     internal = tls.server_credentials(opts.tls, opts.tls.mutual)
                 served.registry_port = registry_server.bind(
                     f"{opts.host}:{opts.registry_port}", internal

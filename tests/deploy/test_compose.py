@@ -123,7 +123,7 @@ def test_tls_override_runs_mutual_tls_with_the_registry_on_its_own_port():
         assert all(
             getattr(args, f).startswith(mount + "/") for f in ("tls_ca", "tls_cert", "tls_key")
         )
-        assert [v.split(":")[1:] for v in tls[role]["volumes"]] == [[mount, "ro"]]
+        assert [v.rsplit(":", 2)[1:] for v in tls[role]["volumes"]] == [[mount, "ro"]]
         # the health check speaks TLS with the same files
         test = tls[role]["healthcheck"]["test"]
         health = _parse(test[1:])
