@@ -6,7 +6,6 @@ The processes themselves start in ``main.py``; ``up`` and the READY handshake ar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -126,8 +125,10 @@ def cmd_health(args) -> int:
     else:  # TLS; with --tls-cert/--tls-key, presenting our certificate (a mutual-TLS port)
 
         def read(path: str | None) -> bytes | None:
-            with open(path, "rb") if path else contextlib.nullcontext() as f:
-                return f.read() if f else None
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
 
         credentials = grpc.ssl_channel_credentials(
             read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
