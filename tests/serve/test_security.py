@@ -69,12 +69,13 @@ def _register(
     credentials: grpc.ChannelCredentials | None,
     worker_id: str = "intruder",
     metadata: tuple[tuple[str, str], ...] = (),
+    compat_hash: str = "x",
 ) -> worker_pb2.RegisterResponse:
     request = worker_pb2.RegisterRequest(
         worker_id=worker_id,
         role="decode",
         address="127.0.0.1:1",
-        layout=common_pb2.KVLayout(model="tiny-llama", compat_hash="x"),
+        layout=common_pb2.KVLayout(model="tiny-llama", compat_hash=compat_hash),
     )
     channel = (
         grpc.insecure_channel(address)
@@ -95,6 +96,11 @@ def _forget(cluster, worker_id: str) -> None:
         await w.channel.close()
 
     cluster.loop.run(forget())
+
+
+def _layout(cluster) -> str:
+    """The KV layout hash of the cluster's workers (a registration with another is refused)."""
+    return next(iter(cluster.gateway.registry.workers.values())).compat_hash
 
 
 def _registered(cluster) -> set[str]:
@@ -129,13 +135,15 @@ def test_registry_refuses_a_client_without_the_cluster_certificate(tls_cluster, 
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails: no RPC ran
     assert _registered(c) == before
     # the Registry keeps serving the cluster's own certificate holders
-    assert _register(c.gateway.registry_address, _mutual(certs["worker"]), "ok").lease_ms > 0
+    ok = _register(c.gateway.registry_address, _mutual(certs["worker"]), "ok", (), _layout(c))
+    assert ok.lease_ms > 0
     _forget(c, "ok")
 
 
 def test_a_worker_certificate_registers_and_no_token_is_needed_with_mutual_tls(tls_cluster, certs):
     c = tls_cluster
-    resp = _register(c.gateway.registry_address, _mutual(certs["worker"]), "by-certificate")
+    worker = _mutual(certs["worker"])
+    resp = _register(c.gateway.registry_address, worker, "by-certificate", (), _layout(c))
     assert resp.lease_ms == int(c.gateway.registry.lease_s * 1000)
     assert "by-certificate" in _registered(c)
     _forget(c, "by-certificate")
