@@ -254,32 +254,29 @@ def start_cluster(
     return c
 
 
-@pytest.fixture
-def cluster(tiny_model_dir):
-    """cluster(**start_cluster's options) -> a Cluster of its own, closed when the test ends."""
+def _clusters(model: Path):
+    """A ``make(**start_cluster's options)`` factory; closes what it made when resumed."""
     made: list[Cluster] = []
 
     def make(**options: Any) -> Cluster:
-        made.append(start_cluster(tiny_model_dir, **options))
+        made.append(start_cluster(model, **options))
         return made[-1]
 
     yield make
     for c in made:
         c.close()
+
+
+@pytest.fixture
+def cluster(tiny_model_dir):
+    """cluster(**start_cluster's options) -> a Cluster of its own, closed when the test ends."""
+    yield from _clusters(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def module_cluster(tiny_model_dir):
     """module_cluster(**start_cluster's options) -> a Cluster shared by the module's tests."""
-    made: list[Cluster] = []
-
-    def make(**options: Any) -> Cluster:
-        made.append(start_cluster(tiny_model_dir, **options))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
+    yield from _clusters(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
