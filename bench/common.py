@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 
 from pdserve.services.launcher import start_process, stop_processes
 
@@ -21,7 +22,7 @@ DISAGGREGATED = [
 def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
     """Start a gateway and ``workers`` (argv each), warm up, run the load ``args`` describe
     (requests, users, rate, prompt_words, output_len, seed), stop everything; the load's summary."""
-    env = {**ENV, **(env or {})}
+    env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
     procs = []
     try:
         gw = start_process(["gateway", "--port", "0", "--http-port", "-1"], env=env)

@@ -186,12 +186,14 @@ def serving(args: argparse.Namespace) -> None:
     """``--serving N``: N prompts of ``--tokens`` tokens through a real prefill and decode worker
     (one core each, as bench/disagg_vs_colocated.py), driven below the gateway as the gateway
     drives them; prints what the prefill worker reports of each transfer."""
+    import secrets
+
     import grpc
     from pdserve.services.launcher import start_process, stop_processes
 
     from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-    env = dict(UCX_ENV)
+    env = {**UCX_ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
     procs = []
     try:
         gw = start_process(["gateway", "--port", "0", "--http-port", "-1"], env=env)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import ssl
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import httpx
 
+from pdserve.client import tls_credentials
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.v1.convert import sampling_to_proto
@@ -63,7 +66,7 @@ def sample_length(rng: random.Random, dist: list[tuple[float, int, int]]) -> int
 
 
 async def one_grpc_request(
-    stub, words: int, output_len: int, rng: random.Random, timeout: float
+    stub, words: int, output_len: int, rng: random.Random, timeout: float, metadata=None
 ) -> RequestResult:
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -71,7 +74,7 @@ async def one_grpc_request(
     r = RequestResult(prompt_words=words)
     start = last = time.perf_counter()
     try:
-        async for delta in stub.Generate(req, timeout=timeout):
+        async for delta in stub.Generate(req, timeout=timeout, metadata=metadata):
             if not delta.token_ids:
                 continue
             now = time.perf_counter()
@@ -177,10 +180,11 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
     }
 
 
-def http_base_url(url: str) -> str:
-    """``host:port``, ``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1``."""
+def http_base_url(url: str, tls: bool = False) -> str:
+    """``host:port``, ``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1``
+    (``https://`` for a bare ``host:port`` with ``tls``)."""
     if "://" not in url:
-        url = "http://" + url
+        url = ("https://" if tls else "http://") + url
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
 
@@ -195,6 +199,8 @@ async def run_load(
     seed: int,
     timeout: float,
     http: str | None = None,
+    tls_ca: str | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """Over gRPC to the gateway at ``url``, or over HTTP to the OpenAI API at ``http``."""
     rng = random.Random(seed)
@@ -204,17 +210,29 @@ async def run_load(
         if http:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
             client = await stack.enter_async_context(
-                httpx.AsyncClient(base_url=http_base_url(http), limits=limits)
+                httpx.AsyncClient(
+                    base_url=http_base_url(http, tls=tls_ca is not None),
+                    limits=limits,
+                    headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+                    verify=ssl.create_default_context(cafile=tls_ca) if tls_ca else True,
+                )
             )
 
-            def one_request(_stub, words, output_len, urng, timeout):
+            def one_request(words, output_len, urng, timeout):
                 return one_http_request(client, words, output_len, urng, timeout)
 
-            stub = None
         else:
-            channel = await stack.enter_async_context(grpc.aio.insecure_channel(url))
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(url)
+                if tls_ca is None
+                else grpc.aio.secure_channel(url, tls_credentials(tls_ca))
+            )
             stub = generation_pb2_grpc.GenerationStub(channel)
-            one_request = one_grpc_request
+            metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+            def one_request(words, output_len, urng, timeout):
+                return one_grpc_request(stub, words, output_len, urng, timeout, metadata)
+
         results: list[RequestResult] = []
         start = time.perf_counter()
         if rate:
@@ -222,7 +240,7 @@ async def run_load(
             for words in jobs:
                 tasks.append(
                     asyncio.create_task(
-                        one_request(stub, words, output_len, random.Random(rng.random()), timeout)
+                        one_request(words, output_len, random.Random(rng.random()), timeout)
                     )
                 )
                 await asyncio.sleep(rng.expovariate(rate))
@@ -233,7 +251,7 @@ async def run_load(
             async def user(uid: int) -> None:
                 urng = random.Random(seed * 1000 + uid)
                 while queue:
-                    results.append(await one_request(stub, queue.pop(), output_len, urng, timeout))
+                    results.append(await one_request(queue.pop(), output_len, urng, timeout))
 
             await asyncio.gather(*(user(u) for u in range(users)))
         wall = time.perf_counter() - start
@@ -282,6 +300,8 @@ def cmd_bench_serve(args) -> int:
             args.seed,
             args.timeout,
             args.http,
+            args.tls_ca,
+            args.api_key,
         )
     )
     print_summary(summary)
@@ -301,6 +321,12 @@ def add_command(bsub) -> None:
         "--http",
         metavar="URL",
         help="the gateway's OpenAI-compatible HTTP API instead (host:port or http://host:port/v1)",
+    )
+    s.add_argument("--tls-ca", default=None, help="dial over TLS, trusting this CA (PEM)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="sent as Authorization: Bearer (default: $PDSERVE_API_KEY)",
     )
     s.add_argument("--requests", type=int, default=32)
     s.add_argument("--users", type=int, default=8, help="closed loop: concurrent users")

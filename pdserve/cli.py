@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -89,7 +90,7 @@ def _generate_remote(args) -> int:
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     reason = None
     try:
-        with Client(args.url) as client:
+        with Client(args.url, api_key=args.api_key, tls_ca=args.tls_ca) as client:
             for delta in client.generate_stream(prompt, _sampling(args)):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -144,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.add_argument(
         "--url", default=None, help="a running gateway (host:port) instead of a local engine"
+    )
+    g.add_argument(
+        "--tls-ca", default=None, help="with --url: dial over TLS, trusting this CA (PEM)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="with --url: the key sent as authorization: Bearer (default: $PDSERVE_API_KEY)",
     )
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     # generate's own choices: greedy and 128 tokens (the API's defaults are SamplingParams')

@@ -4,6 +4,8 @@ from pdserve import Client, SamplingParams
 with Client("127.0.0.1:50051") as c:
     for delta in c.generate_stream("Hello", SamplingParams(max_tokens=16)):
         print(delta.text, end="")
+
+A gateway that serves TLS: ``Client(url, tls_ca="ca.pem")`` (the CA its certificate chains to).
 """
 
 from __future__ import annotations
@@ -17,15 +19,35 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.v1.convert import sampling_to_proto
 
 
+def tls_credentials(ca_path: str) -> grpc.ChannelCredentials:
+    """Credentials that trust the certificates ``ca_path`` (PEM) issued."""
+    try:
+        with open(ca_path, "rb") as f:
+            ca = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS CA {ca_path}: {e.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
 class Client:
     """``api_key``: sent with every call as ``authorization: Bearer <key>`` (a gateway with keys
-    refuses calls without one, UNAUTHENTICATED)."""
+    refuses calls without one, UNAUTHENTICATED). ``tls_ca``: dial over TLS, trusting the
+    certificates this CA (PEM path) issued."""
 
-    def __init__(self, url: str, timeout: float | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+    ) -> None:
         self.url = url.removeprefix("grpc://")
         self.timeout = timeout
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(self.url)
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(self.url)
+        else:
+            self._channel = grpc.secure_channel(self.url, tls_credentials(tls_ca))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def _request(

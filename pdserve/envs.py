@@ -35,3 +35,13 @@ def api_keys() -> str | None:
     """The gateway's API keys as the JSON of a key file (PDSERVE_API_KEYS: hashed keys and
     limits, as ``pdserve keys add`` writes them), used when no --api-keys file is given."""
     return os.environ.get("PDSERVE_API_KEYS") or None
+
+
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+
+
+def cluster_token() -> str | None:
+    """The secret workers present when they register with the gateway (PDSERVE_CLUSTER_TOKEN;
+    unset or empty: none). An environment variable rather than a flag, so that it stays out of
+    the process list."""
+    return os.environ.get(CLUSTER_TOKEN_ENV) or None

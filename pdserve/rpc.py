@@ -143,9 +143,13 @@ class Server:
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
 
-    def bind(self, address: str) -> int:
-        """Listen on ``address`` ("host:port", port 0 picks one); returns the port."""
-        port = self.server.add_insecure_port(address)
+    def bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen on ``address`` ("host:port", port 0 picks one), over TLS with ``credentials``
+        (``pdserve.tls.server_credentials``); returns the port."""
+        if credentials is None:
+            port = self.server.add_insecure_port(address)
+        else:
+            port = self.server.add_secure_port(address, credentials)
         if port == 0:
             raise ValueError(f"cannot listen on {address}")
         return port
@@ -206,5 +210,14 @@ class Gate:
         return True
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+def channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: list[tuple[str, str]] | None = None,
+) -> grpc.aio.Channel:
+    """A channel to ``address``; over TLS with ``credentials`` (``pdserve.tls``), ``options``
+    added (``tls.channel_options``)."""
+    opts = [*_OPTIONS, *(options or [])]
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=opts)
+    return grpc.aio.secure_channel(address, credentials, options=opts)

@@ -14,6 +14,7 @@ from pdserve.services import launcher, lifecycle
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
+from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.transfer import TRANSPORTS
 
@@ -53,6 +54,24 @@ def telemetry_config(args, service: str):
     )
 
 
+def tls_config(args):
+    """The process's TLSConfig from --tls-*; None without --tls-cert."""
+    from pdserve.tls import TLSConfig
+
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    return TLSConfig(
+        cert=args.tls_cert,
+        key=args.tls_key,
+        ca=args.tls_ca,
+        server_name=getattr(args, "tls_server_name", None),
+    )
+
+
+def cluster_token(args) -> str | None:
+    return args.cluster_token or envs.cluster_token()
+
+
 def cmd_worker(args) -> int:
     from pdserve.services.main import WorkerOptions, run, serve_worker
 
@@ -72,6 +91,8 @@ def cmd_worker(args) -> int:
                 telemetry=telemetry_config(args, args.command),
                 stall_timeout_s=args.stall_timeout,
                 drain_timeout_s=args.drain_timeout,
+                tls=tls_config(args),
+                cluster_token=cluster_token(args),
             )
         )
     )
@@ -91,6 +112,9 @@ def cmd_gateway(args) -> int:
                 http_port=args.http_port,
                 telemetry=telemetry_config(args, "gateway"),
                 drain_timeout_s=args.drain_timeout,
+                tls=tls_config(args),
+                registry_port=args.registry_port,
+                cluster_token=cluster_token(args),
             )
         )
     )
@@ -101,8 +125,25 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    if args.tls_ca is None:
+        channel = grpc.insecure_channel(args.address)
+    else:  # TLS; with --tls-cert/--tls-key, presenting our certificate (a mutual-TLS port)
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(
+            read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
+        )
+        options = [("grpc.ssl_target_name_override", args.tls_server_name)]
+        channel = grpc.secure_channel(
+            args.address, credentials, options=options if args.tls_server_name else None
+        )
     try:
-        with grpc.insecure_channel(args.address) as ch:
+        with channel as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
@@ -112,6 +153,18 @@ def cmd_health(args) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{args.address}: {status}")
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_certs(args) -> int:
+    """Write a new cluster CA and a gateway and a worker certificate into ``args.folder``."""
+    from pathlib import Path
+
+    from pdserve.certs import LOCAL_NAMES, make_cluster_certs
+
+    made = make_cluster_certs(Path(args.folder), (*args.host, *LOCAL_NAMES))
+    for name, f in made.items():
+        print(f"{name}: --tls-ca {f.ca} --tls-cert {f.cert} --tls-key {f.key}")
+    return 0
 
 
 def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -155,6 +208,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "(default: $PDSERVE_API_KEYS, else none: the gateway is open to anyone)",
     )
     _drain_arg(gw)
+    gw.add_argument(
+        "--registry-port",
+        type=int,
+        default=None,
+        help="serve the worker Registry on this port of its own (0 picks one; with --tls-ca it "
+        "requires client certificates); default: on --port",
+    )
+    _tls_args(gw)
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     _keys_commands(sub)
@@ -183,12 +244,20 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             "deregisters (until the step ends)",
         )
         _drain_arg(w)
+        _tls_args(w)
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
     engine_args(up)
     up.add_argument("--port", type=int, default=50051)
     _http_arg(up)
+    up.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="the gateway's API key file (pdserve keys add); default: $PDSERVE_API_KEYS, else "
+        "none (open to anyone)",
+    )
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--colocated", type=int, default=0)
@@ -197,13 +266,59 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
     )
     _drain_arg(up)
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a throwaway CA and certificates (in a temporary folder, removed on exit): TLS "
+        "on the public port, mutual TLS between the processes",
+    )
     _observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
     h.add_argument("address", help="host:port")
     h.add_argument("--service", default="", help="a service name; default: the server as a whole")
     h.add_argument("--timeout", type=float, default=3.0)
+    for flag, what in (("--tls-ca", "the cluster CA"), ("--tls-cert", "our certificate")):
+        h.add_argument(flag, default=None, help=f"{what} (PEM): check a mutual-TLS port")
+    h.add_argument("--tls-key", default=None, help="our private key (PEM)")
+    h.add_argument("--tls-server-name", default=None, help="the name the server's cert carries")
     h.set_defaults(func=cmd_health)
+    c = sub.add_parser(
+        "certs",
+        help="make a cluster CA (ca.pem; its key is not kept) and gateway and worker "
+        "certificates issued by it, for --tls-ca/--tls-cert/--tls-key",
+    )
+    c.add_argument("folder", help="written into (key files 0600)")
+    c.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a DNS name or IP address the certificates are for (repeatable); loopback is added",
+    )
+    c.set_defaults(func=cmd_certs)
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM): serve TLS")
+    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="the cluster CA (PEM): mutual TLS between gateway and workers; only holders of a "
+        "certificate it issued can register or serve",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="the name the cluster peers' certificates carry, checked instead of the host dialed "
+        "(e.g. workers that register by IP address)",
+    )
+    p.add_argument(
+        "--cluster-token",
+        default=None,
+        help=f"the secret workers register with (prefer ${envs.CLUSTER_TOKEN_ENV}: a flag shows "
+        "in the process list)",
+    )
 
 
 def cmd_keys(args) -> int:

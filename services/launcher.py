@@ -1,17 +1,28 @@
 """Local processes: start a pdserve command and wait for its READY line; ``pdserve up``.
 
 Every serving command prints ``READY <role> <host:port> metrics=<host:port>`` once it serves
-(main.py); ``start_process`` waits for that line, so a caller knows the process is registered.
+(main.py; the gateway adds ``registry=<host:port>``); ``start_process`` waits for that line, so a
+caller knows the process is registered.
+
+Worker registration is always authenticated: ``up`` makes a random cluster token and hands it to
+the processes in their environment (never on a command line, where ``ps`` shows it); with
+``--tls`` it also makes a throwaway CA and certificates, and the processes talk mutual TLS.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import NamedTuple
+
+from pdserve import envs
 
 
 class Started(NamedTuple):
@@ -19,6 +30,7 @@ class Started(NamedTuple):
     address: str  # gRPC host:port
     metrics: str  # /metrics host:port, or "-"
     http: str = "-"  # the gateway's OpenAI-compatible HTTP API host:port, or "-"
+    registry: str = ""  # where workers register: the gateway's registry=, else ``address``
 
 
 def start_process(
@@ -36,8 +48,14 @@ def start_process(
     for line in proc.stdout:
         if line.startswith("READY "):
             fields = line.split()
-            http = next((f.removeprefix("http=") for f in fields if f.startswith("http=")), "-")
-            return Started(proc, fields[2], fields[3].removeprefix("metrics="), http)
+            named = dict(f.split("=", 1) for f in fields[3:] if "=" in f)
+            return Started(
+                proc,
+                fields[2],
+                named["metrics"],
+                named.get("http", "-"),
+                named.get("registry", fields[2]),
+            )
         if time.monotonic() > deadline:
             break
     proc.kill()
@@ -91,9 +109,13 @@ def cmd_up(args) -> int:
     ]
     if args.kv_cache_bytes:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    env = {envs.CLUSTER_TOKEN_ENV: envs.cluster_token() or secrets.token_urlsafe(32)}
     procs: list[subprocess.Popen] = []
+    certs_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-")) if args.tls else None
     try:
-        gw, address, gw_metrics, http = start_process(
+        gateway_tls, worker_tls, ca = _tls_argv(certs_dir)
+        keys = ["--api-keys", args.api_keys] if args.api_keys else []
+        gateway = start_process(
             [
                 "gateway",
                 "--model",
@@ -104,32 +126,40 @@ def cmd_up(args) -> int:
                 str(args.http_port),
                 "--metrics-port",
                 str(args.metrics_port),
+                *gateway_tls,
+                *keys,
                 *observe,
-            ]
+            ],
+            env=env,
         )
-        procs.append(gw)
+        procs.append(gateway.proc)
         roles = (
             ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
         starting = []
         for role, cpu in zip(roles, cpus, strict=True):
-            argv = [role, *common, "--gateway", address, "--threads", str(args.threads_per_worker)]
+            argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
+            argv += ["--threads", str(args.threads_per_worker)]
             if cpu:
                 argv += ["--cpus", cpu]
             starting.append(argv)
-        metrics = [f"gateway {gw_metrics}"]
+        metrics = [f"gateway {gateway.metrics}"]
         for argv in starting:  # each is registered with the gateway once READY
-            started = start_process(argv)
+            started = start_process(argv, env=env)
             procs.append(started.proc)
             metrics.append(f"{argv[0]} {started.metrics}")
+        try_it = f"pdserve generate --url {gateway.address}" + (f" --tls-ca {ca}" if ca else "")
         print(
-            f"pdserve is up: gateway at {address} ({args.prefill} prefill, {args.decode} decode, "
-            f'{args.colocated} colocated). Try: pdserve generate --url {address} "Hello"',
+            f"pdserve is up: gateway at {gateway.address} ({args.prefill} prefill, {args.decode} decode, "
+            f'{args.colocated} colocated). Try: {try_it} "Hello"',
             flush=True,
         )
-        if http != "-":
-            print(f"OpenAI-compatible HTTP API: http://{http}/v1", flush=True)
+        if gateway.http != "-":
+            scheme = "https" if ca else "http"
+            print(f"OpenAI-compatible HTTP API: {scheme}://{gateway.http}/v1", flush=True)
+        if ca:
+            print(f"TLS: CA {ca} (removed when pdserve up exits)", flush=True)
         print(f"/metrics: {', '.join(metrics)}", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
@@ -144,3 +174,22 @@ def cmd_up(args) -> int:
         grace = args.drain_timeout + 10
         stop_processes(procs[:1], grace)  # the gateway, draining through the workers
         stop_processes(procs[1:], grace)
+        if certs_dir is not None:
+            shutil.rmtree(certs_dir, ignore_errors=True)
+
+
+def _tls_argv(folder: Path | None) -> tuple[list[str], list[str], str | None]:
+    """The gateway's and the workers' TLS flags, and the CA's path, for certificates made in
+    ``folder`` (``up --tls``); no flags and no CA without one. The gateway's Registry gets a port
+    of its own that requires a cluster certificate."""
+    if folder is None:
+        return [], [], None
+    from pdserve.certs import make_cluster_certs
+
+    made = make_cluster_certs(folder)
+
+    def flags(name: str) -> list[str]:
+        f = made[name]
+        return ["--tls-ca", str(f.ca), "--tls-cert", str(f.cert), "--tls-key", str(f.key)]
+
+    return [*flags("gateway"), "--registry-port", "0"], flags("worker"), str(made["gateway"].ca)

@@ -33,7 +33,7 @@ from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
 
-from pdserve import rpc, telemetry
+from pdserve import rpc, telemetry, tls
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.config import ModelConfig
@@ -57,9 +57,17 @@ class WorkerOptions:
     # unhealthy (NOT_SERVING, deregistered) while the engine is stuck in one step this long
     stall_timeout_s: float = lifecycle.STALL_TIMEOUT_S
     drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
+    # Mutual TLS: serve Prefill/Decode to holders of a cluster certificate only, and dial the
+    # gateway's Registry with ours. A worker's TLS is always mutual.
+    tls: tls.TLSConfig | None = None
+    cluster_token: str | None = None  # sent with Register/Heartbeat/Deregister
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
+        if self.tls is not None and not self.tls.mutual:
+            raise ValueError(
+                "a worker's TLS is mutual: give --tls-ca as well as --tls-cert and --tls-key"
+            )
 
 
 @dataclass(frozen=True)
@@ -75,15 +83,39 @@ class GatewayOptions:
         default_factory=lambda: telemetry.TelemetryConfig("gateway")
     )
     drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S  # on SIGTERM: for running requests
+    # ``tls.cert``/``tls.key``: the public gRPC port and the HTTP API serve TLS with them;
+    # ``tls.ca``: the Registry port requires client certificates from this CA and the gateway
+    # dials workers with its certificate.
+    tls: tls.TLSConfig | None = None
+    # The Registry on a port of its own (0 picks one); None: on the public port.
+    registry_port: int | None = None
+    cluster_token: str | None = None  # required on Register/Heartbeat/Deregister when set
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s)
+        if self.cluster_token is None and not self.registry_requires_client_cert:
+            raise ValueError(
+                "worker registration must be authenticated: give a cluster token "
+                "(PDSERVE_CLUSTER_TOKEN or --cluster-token), or mutual TLS (--tls-ca, --tls-cert, "
+                "--tls-key) with the Registry on its own port (--registry-port)"
+            )
+        if self.cluster_token == "":
+            raise ValueError("the cluster token must not be empty")
+
+    @property
+    def registry_requires_client_cert(self) -> bool:
+        """Whether the handshake itself refuses a Registry client without a cluster certificate."""
+        return self.registry_port is not None and self.tls is not None and self.tls.mutual
 
 
-def _ready(role: str, address: str, metrics: str, http: str | None = None) -> None:
+def _ready(
+    role: str, address: str, metrics: str, http: str | None = None, registry: str | None = None
+) -> None:
     """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off); the
-    gateway adds `` http=<host:port>`` (- when its HTTP API is off)."""
+    gateway adds `` http=<host:port>`` (- when its HTTP API is off) and ``registry=<host:port>``,
+    where workers register."""
     extra = "" if http is None else f" http={http}"
+    extra += f" registry={registry}" if registry else ""
     print(f"READY {role} {address} metrics={metrics}{extra}", flush=True)
 
 
@@ -132,8 +164,19 @@ class Registration:
     """Register with the gateway, then heartbeat at a third of the lease; re-register when the
     gateway forgot this worker (its lease ran out, or the gateway restarted)."""
 
-    def __init__(self, gateway: str, worker_id: str, role: str, address: str, layout) -> None:
-        self.channel = rpc.channel(gateway)
+    def __init__(
+        self,
+        gateway: str,
+        worker_id: str,
+        role: str,
+        address: str,
+        layout,
+        tls_config: tls.TLSConfig | None = None,
+        cluster_token: str | None = None,
+    ) -> None:
+        credentials = tls.channel_credentials(tls_config) if tls_config is not None else None
+        self.channel = rpc.channel(gateway, credentials, tls.channel_options(tls_config))
+        self.metadata = ((tls.TOKEN_METADATA_KEY, cluster_token),) if cluster_token else ()
         self.stub = worker_pb2_grpc.RegistryStub(self.channel)
         self.request = worker_pb2.RegisterRequest(
             worker_id=worker_id,
@@ -146,9 +189,13 @@ class Registration:
     async def register(self) -> None:
         """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
         try:
-            resp = await self.stub.Register(self.request, timeout=10)
+            resp = await self.stub.Register(self.request, timeout=10, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            if e.code() in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAUTHENTICATED,
+            ):
                 raise RegistrationRefusedError(e.details()) from None
             raise
         self.period = max(resp.lease_ms / 3000, 0.1)
@@ -158,7 +205,10 @@ class Registration:
         does not answer is tried again next time."""
         try:
             hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
-            if not (await self.stub.Heartbeat(hb, timeout=min(5.0, self.period))).known:
+            resp = await self.stub.Heartbeat(
+                hb, timeout=min(5.0, self.period), metadata=self.metadata
+            )
+            if not resp.known:
                 await self.register()
         except grpc.aio.AioRpcError:
             pass
@@ -169,6 +219,7 @@ class Registration:
             await self.stub.Deregister(
                 worker_pb2.DeregisterRequest(worker_id=self.request.worker_id, reason=reason),
                 timeout=2,
+                metadata=self.metadata,
             )
         except grpc.aio.AioRpcError:
             pass
@@ -245,7 +296,10 @@ class WorkerServer:
         engine, layout, worker, server = _worker_parts(opts)
         served = cls(opts, engine, worker, server)
         try:
-            served.port = port = server.bind(f"{opts.host}:{opts.port}")
+            credentials = (
+                tls.server_credentials(opts.tls, require_client_cert=True) if opts.tls else None
+            )
+            served.port = port = server.bind(f"{opts.host}:{opts.port}", credentials)
             served.address = address = advertised_address(opts.host, port, opts.advertise)
             served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
             worker.start(asyncio.get_running_loop())
@@ -253,7 +307,13 @@ class WorkerServer:
             await server.start()
             if opts.gateway:
                 served._registration = Registration(
-                    opts.gateway, served.worker_id, opts.role, address, layout
+                    opts.gateway,
+                    served.worker_id,
+                    opts.role,
+                    address,
+                    layout,
+                    opts.tls,
+                    opts.cluster_token,
                 )
             await served._check()  # registers: started means the gateway routes here now
             served.registration = asyncio.create_task(served._watch())
@@ -355,14 +415,17 @@ GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def _gateway_parts(opts: GatewayOptions):
-    """The gateway, its worker registry and its gRPC server, not started yet."""
+    """The gateway, its worker registry, its public gRPC server and the Registry's own server
+    (None when the Registry is on the public one), none of them started yet."""
     from pdserve.services.gateway.auth import load_keys
     from pdserve.services.gateway.gateway import Gateway
+    from pdserve.services.gateway.registry import WorkerRegistry
     from pdserve.services.gateway.servicer import GenerationServicer, RegistryServicer
 
     folder = resolve_model(opts.model)
     cfg = ModelConfig.from_file(folder / "config.json")
     max_len = min(opts.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    registry = WorkerRegistry(opts.config.lease_s, opts.tls)
     gateway = Gateway(
         Tokenizer.from_folder(folder),
         max_len,
@@ -370,28 +433,42 @@ def _gateway_parts(opts: GatewayOptions):
         folder.name,
         opts.config,
         load_keys(opts.config.api_keys_file),
+        registry=registry,
     )
-    registry = gateway.registry
-    server = rpc.Server(
-        [GENERATION, "pdserve.v1.Registry"],
-        errors=STATUS_CODES,
-    )
+    registry_servicer = RegistryServicer(registry, opts.cluster_token)
+    if opts.registry_port is None:
+        server = rpc.Server([GENERATION, "pdserve.v1.Registry"], errors=STATUS_CODES)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry_servicer, server.server)
+        registry_server = None
+    else:
+        server = rpc.Server([GENERATION], errors=STATUS_CODES)
+        registry_server = rpc.Server(["pdserve.v1.Registry"], errors=STATUS_CODES)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry_servicer, registry_server.server)
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
-    worker_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server.server)
-    return gateway, registry, server
+    return gateway, registry, server, registry_server
 
 
 class GatewayServer:
     """The gateway serving in the running event loop: the public Generation API and the Registry
-    workers register with. ``server = await GatewayServer.start(opts)``; ``await server.drain(t)``
-    lets its requests finish; ``await server.stop()``."""
+    workers register with (on the same port, or with ``opts.registry_port`` on its own).
+    ``server = await GatewayServer.start(opts)``; ``await server.drain(t)`` lets its requests
+    finish; ``await server.stop()``."""
 
-    def __init__(self, opts: GatewayOptions, gateway, registry, server: rpc.Server) -> None:
+    def __init__(
+        self,
+        opts: GatewayOptions,
+        gateway,
+        registry,
+        server: rpc.Server,
+        registry_server: rpc.Server | None,
+    ) -> None:
         self.opts = opts
         self.gateway = gateway  # services.gateway.gateway.Gateway
         self.registry = registry  # services.gateway.registry.WorkerRegistry
         self.server = server
+        self.registry_server = registry_server
         self.port = 0
+        self.registry_port = 0
         self.metrics_address = "-"  # /metrics host:port, "-" when off
         self.http = None  # services.gateway.openai_http.OpenAIServer, when on
         self.serving = False  # Generation's (and "") health now: registry.can_serve()
@@ -408,20 +485,41 @@ class GatewayServer:
         """The OpenAI-compatible HTTP API's host:port, "-" when off."""
         return "-" if self.http is None else self.http.address
 
+    @property
+    def registry_address(self) -> str:
+        """Where workers register (``--gateway`` of a worker)."""
+        return f"{self.opts.host}:{self.registry_port}"
+
     @classmethod
     async def start(cls, opts: GatewayOptions) -> GatewayServer:
-        gateway, registry, server = _gateway_parts(opts)
-        served = cls(opts, gateway, registry, server)
+        gateway, registry, server, registry_server = _gateway_parts(opts)
+        served = cls(opts, gateway, registry, server, registry_server)
         try:
-            served.port = server.bind(f"{opts.host}:{opts.port}")
+            secure = opts.tls is not None and opts.tls.enabled
+            public = tls.server_credentials(opts.tls, False) if secure else None
+            served.port = served.registry_port = server.bind(f"{opts.host}:{opts.port}", public)
+            if registry_server is not None:
+                internal = None
+                if secure:
+                    internal = tls.server_credentials(opts.tls, opts.tls.mutual)
+                served.registry_port = registry_server.bind(
+                    f"{opts.host}:{opts.registry_port}", internal
+                )
             served.metrics_address = _serve_metrics(gateway.metrics, opts.host, opts.metrics_port)
             await server.set_serving(False, ["", GENERATION])
-            await server.set_serving(True, ["pdserve.v1.Registry"])
+            if registry_server is None:
+                await server.set_serving(True, ["pdserve.v1.Registry"])
+            else:
+                await registry_server.set_serving(True)
             if opts.http_port >= 0:
                 from pdserve.services.gateway.openai_http import OpenAIServer
 
-                served.http = OpenAIServer(gateway, opts.host, opts.http_port)
+                served.http = OpenAIServer(
+                    gateway, opts.host, opts.http_port, opts.tls if secure else None
+                )
                 await served.http.start()
+            if registry_server is not None:
+                await registry_server.start()
             await server.start()
             served._health = asyncio.create_task(served._watch_health())
         except BaseException:
@@ -503,6 +601,8 @@ class GatewayServer:
         await self.server.set_serving(False)
         if self.http is not None:
             await self.http.stop(grace=grace)
+        if self.registry_server is not None:
+            await self.registry_server.stop(grace=grace)
         await self.server.stop(grace=grace)
         self.gateway.metrics.close()
         for w in list(self.registry.workers.values()):
@@ -561,13 +661,22 @@ async def serve_gateway(opts: GatewayOptions) -> None:
         print(f"pdserve gateway: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_keys)
-    _ready("gateway", server.address, server.metrics_address, server.http_address)
+    _ready(
+        "gateway",
+        server.address,
+        server.metrics_address,
+        server.http_address,
+        server.registry_address,
+    )
     telemetry.logger().info(
         "gateway.ready",
         address=server.address,
+        registry=server.registry_address,
         metrics=server.metrics_address,
         http=server.http_address,
         policy=opts.config.policy,
+        tls=opts.tls is not None,
+        mutual_tls=opts.tls is not None and opts.tls.mutual,
         tracing=telemetry.tracing_enabled(),
     )
     try:

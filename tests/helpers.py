@@ -23,9 +23,20 @@ def health(address: str, service: str = "", timeout: float = 5.0) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(req, timeout=timeout).status
 
 
-def worker_stats(address: str, role: str, timeout: float = 5.0) -> worker_pb2.WorkerStats:
-    """A worker's Stats RPC (blocking: call it from a thread that is not the servers' loop)."""
-    with grpc.insecure_channel(address) as ch:
+def worker_stats(
+    address: str,
+    role: str,
+    timeout: float = 5.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> worker_pb2.WorkerStats:
+    """A worker's Stats RPC (blocking: call it from a thread that is not the servers' loop);
+    ``credentials``: a cluster certificate, for a worker that serves mutual TLS."""
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel as ch:
         stub = (
             worker_pb2_grpc.PrefillStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeStub(ch)
         )
@@ -42,7 +53,9 @@ def _leaks(s: worker_pb2.WorkerStats) -> bool:
 
 
 def assert_no_leaks(
-    workers: Mapping[str, tuple[str, str]], timeout: float = 5.0
+    workers: Mapping[str, tuple[str, str]],
+    timeout: float = 5.0,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> dict[str, worker_pb2.WorkerStats]:
     """Every worker (name -> (address, role)) says over its Stats RPC that all its KV blocks are
     free and nothing runs or waits there. Polled until ``timeout``: a finished or cancelled
@@ -50,7 +63,10 @@ def assert_no_leaks(
     assert workers, "no worker to check"
     deadline = time.monotonic() + timeout
     while True:
-        stats = {name: worker_stats(address, role) for name, (address, role) in workers.items()}
+        stats = {
+            name: worker_stats(address, role, credentials=credentials)
+            for name, (address, role) in workers.items()
+        }
         leaking = {name: s for name, s in stats.items() if _leaks(s)}
         if not leaking:
             return stats

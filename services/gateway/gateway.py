@@ -81,13 +81,14 @@ class Gateway:
         model_name: str,
         config: GatewayConfig | None = None,
         keys: KeyStore | None = None,
+        registry: WorkerRegistry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.config = config or GatewayConfig()
-        self.registry = WorkerRegistry(self.config.lease_s)
+        self.registry = registry or WorkerRegistry(self.config.lease_s)
         self.router = Router(self.config.policy)
         self._capacity = asyncio.Condition()
         self.metrics = GatewayMetrics()

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.rpc import status_of
+from pdserve.tls import TLSConfig
 
 # gRPC status -> (HTTP status, OpenAI error type)
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -330,11 +331,15 @@ class _Server(uvicorn.Server):
 
 
 class OpenAIServer:
-    """The HTTP API serving in the running event loop: ``await start()``, ``await stop()``."""
+    """The HTTP API serving in the running event loop: ``await start()``, ``await stop()``;
+    HTTPS with ``tls`` (its certificate and key; clients need no certificate)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(
+        self, gateway: Gateway, host: str, port: int, tls: TLSConfig | None = None
+    ) -> None:
         self.app = OpenAIApp(gateway)
         self.host = host
+        self.tls = tls
         self.requested_port = port
         self.port = 0
         self._server: _Server | None = None
@@ -358,6 +363,8 @@ class OpenAIServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=1,
+            ssl_certfile=self.tls.cert if self.tls else None,
+            ssl_keyfile=self.tls.key if self.tls else None,
         )
         config.load()
         server = self._server = _Server(config)

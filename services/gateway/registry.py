@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve import rpc
+from pdserve import rpc, tls
 from pdserve.v1 import worker_pb2_grpc
 
 ROLES = ("prefill", "decode", "colocated")
@@ -25,7 +25,8 @@ class Worker:
     channel: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.channel = rpc.channel(self.address)
+        if self.channel is None:
+            self.channel = rpc.channel(self.address)
         if self.role == "prefill":
             self.stub = worker_pb2_grpc.PrefillStub(self.channel)
         else:
@@ -41,8 +42,15 @@ class LayoutMismatchError(ValueError):
 
 
 class WorkerRegistry:
-    def __init__(self, lease_s: float) -> None:
+    """``tls``: with mutual TLS, the gateway dials workers with its certificate and checks theirs
+    against the cluster CA."""
+
+    def __init__(self, lease_s: float, tls_config: tls.TLSConfig | None = None) -> None:
         self.lease_s = lease_s
+        self._credentials = None
+        self._options = tls.channel_options(tls_config)
+        if tls_config is not None and tls_config.mutual:
+            self._credentials = tls.channel_credentials(tls_config)
         self.workers: dict[str, Worker] = {}
         self.compat_hash: str | None = None  # of the first worker; every other must match
         # called when a worker registers or deregisters (a lease running out is seen by polling)
@@ -74,6 +82,7 @@ class WorkerRegistry:
             compat_hash,
             static=static,
             lease_expires=time.monotonic() + self.lease_s,
+            channel=rpc.channel(address, self._credentials, self._options),
         )
         self.workers[worker_id] = w
         self._changed()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import grpc
 from pdserve.services.gateway.gateway import Delta, Gateway
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry
 
-from pdserve import telemetry
+from pdserve import telemetry, tls
+from pdserve.rpc import StatusError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
@@ -104,10 +106,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: WorkerRegistry) -> None:
+    """With ``cluster_token``, each call must carry it (metadata ``tls.TOKEN_METADATA_KEY``) or
+    ends UNAUTHENTICATED; without, the server it is on must require client certificates (the
+    gateway does not start otherwise: see ``GatewayOptions``)."""
+
+    def __init__(self, registry: WorkerRegistry, cluster_token: str | None = None) -> None:
         self.registry = registry
+        self.cluster_token = cluster_token
+
+    def _authenticate(self, context) -> None:
+        if self.cluster_token is None:
+            return
+        given = dict(context.invocation_metadata()).get(tls.TOKEN_METADATA_KEY)
+        if not tls.token_matches(given, self.cluster_token):
+            reason = "wrong cluster token" if given else "no cluster token"
+            telemetry.logger().warning("worker.unauthenticated", peer=context.peer(), error=reason)
+            raise StatusError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{reason}: start the worker with this cluster's token "
+                "(--cluster-token or PDSERVE_CLUSTER_TOKEN)",
+            )
 
     async def Register(self, request: worker_pb2.RegisterRequest, context):
+        self._authenticate(context)
         try:
             self.registry.register(
                 request.worker_id, request.role, request.address, request.layout.compat_hash
@@ -126,9 +147,11 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         return worker_pb2.RegisterResponse(lease_ms=int(self.registry.lease_s * 1000))
 
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context):
+        self._authenticate(context)
         return worker_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.worker_id))
 
     async def Deregister(self, request: worker_pb2.DeregisterRequest, context):
+        self._authenticate(context)
         known = self.registry.deregister(request.worker_id)
         telemetry.logger().info(
             "worker.deregistered", worker_id=request.worker_id, reason=request.reason, known=known

@@ -21,6 +21,7 @@ from pdserve.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 OVERRIDE = ROOT / "deploy" / "compose.e2e.yaml"
+TLS_OVERRIDE = ROOT / "deploy" / "compose.tls.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 ROLES = ("gateway", "prefill", "decode")
 WORKERS = ("prefill", "decode")
@@ -106,6 +107,49 @@ def test_ports_health_checks_and_addresses_match_the_commands():
     assert all("healthcheck" in s[name] for name in s), "every service needs a health check"
 
 
+def test_every_pdserve_service_gets_the_cluster_token_from_the_environment_only():
+    s = _services()
+    for role in ROLES:
+        assert s[role]["environment"]["PDSERVE_CLUSTER_TOKEN"].startswith(
+            "${PDSERVE_CLUSTER_TOKEN:?"
+        ), "compose must refuse to start without a token"
+        assert _args(s[role]).cluster_token is None, "a flag would show the token in ps"
+
+
+def test_tls_override_runs_mutual_tls_with_the_registry_on_its_own_port():
+    base, tls = _services(), _services(TLS_OVERRIDE)
+    gateway = _args(tls["gateway"])
+    assert (gateway.host, gateway.port) == ("0.0.0.0", _args(base["gateway"]).port)
+    assert gateway.registry_port not in (None, gateway.port)
+    assert gateway.http_port == _args(base["gateway"]).http_port, "the HTTP API stays, as HTTPS"
+    mount = "/etc/pdserve/tls"
+    for role in ROLES:
+        args = _args(tls[role])
+        assert args.command == role
+        assert all(
+            getattr(args, f).startswith(mount + "/") for f in ("tls_ca", "tls_cert", "tls_key")
+        )
+        assert [v.rsplit(":", 2)[1:] for v in tls[role]["volumes"]] == [[mount, "ro"]]
+        # the health check speaks TLS with the same files
+        test = tls[role]["healthcheck"]["test"]
+        health = _parse(test[1:])
+        assert (health.tls_ca, health.tls_cert, health.tls_key) == (
+            args.tls_ca,
+            args.tls_cert,
+            args.tls_key,
+        )
+        assert test[3] == _health_target(base[role])
+    for role in WORKERS:
+        args = _args(tls[role])
+        assert args.gateway == f"gateway:{gateway.registry_port}"
+        assert args.tls_cert.endswith("/worker.pem") and args.tls_key.endswith("/worker.key")
+        assert {k: v for k, v in vars(args).items() if not k.startswith(("tls_", "gateway"))} == {
+            k: v
+            for k, v in vars(_args(base[role])).items()
+            if not k.startswith(("tls_", "gateway"))
+        }, "the override changes the TLS flags and the registry address only"
+
+
 def test_traces_go_to_the_jaeger_service_otlp_grpc_port():
     s = _services()
     assert s["jaeger"]["image"].startswith("jaegertracing/jaeger:2.")
@@ -162,7 +206,11 @@ def _compose_v2() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, OVERRIDE]], ids=["compose", "compose+e2e"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, OVERRIDE], [COMPOSE, TLS_OVERRIDE]],
+    ids=["compose", "compose+e2e", "compose+tls"],
+)
 def test_compose_config_validates(files, tmp_path):
     client = _compose_v2()
     if client is None:
@@ -174,6 +222,8 @@ def test_compose_config_validates(files, tmp_path):
         "E2E_SPANS_DIR": str(tmp_path),
         "E2E_BUILD_CONTEXT": str(tmp_path),
         "DOCKER_CONFIG": str(tmp_path / "docker-config"),
+        "PDSERVE_CLUSTER_TOKEN": "test-token",
+        "PDSERVE_TLS_DIR": str(tmp_path),
     }
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -189,6 +239,7 @@ def test_compose_merges_the_e2e_override_as_intended(tmp_path):
         "E2E_BUILD_CONTEXT": str(tmp_path / "ctx"),
         "E2E_GATEWAY_PORT": "50999",
         "DOCKER_CONFIG": str(tmp_path / "docker-config"),
+        "PDSERVE_CLUSTER_TOKEN": "test-token",
     }
     argv = [*client, "-f", str(COMPOSE), "-f", str(OVERRIDE), "config", "--format", "json"]
     result = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)

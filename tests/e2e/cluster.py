@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from pdserve.services.launcher import start_process
@@ -24,7 +25,7 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
 
     def start_worker(self, name: str, role: str, *extra: str, stderr=None) -> str:
-        proc, address, metrics, _ = start_process(
+        proc, address, metrics, *_ = start_process(
             [role, "--gateway", self.gateway, *WORKER_ARGS, *extra],
             env={**UCX_ENV, **self.env},
             stderr=stderr,
@@ -49,10 +50,13 @@ class Cluster:
 
 
 def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=None) -> Cluster:
-    proc, address, metrics, _ = start_process(
+    """A gateway; its workers (``start_worker``) register with the cluster token in ``env``
+    (a fresh one unless ``env`` has PDSERVE_CLUSTER_TOKEN)."""
+    env = {"PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
+    proc, address, metrics, *_ = start_process(
         ["gateway", "--port", "0", "--http-port", "-1", *gateway_args], env=env, stderr=stderr
     )
-    c = Cluster(address, env=dict(env or {}))
+    c = Cluster(address, env=env)
     c.procs.append(proc)
     c.metrics["gateway"] = metrics
     return c

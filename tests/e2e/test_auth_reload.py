@@ -29,7 +29,7 @@ def _refused(address: str, key: str) -> bool:
 def test_sighup_reloads_the_key_file(tmp_path, default_model_dir):
     path = tmp_path / "keys.json"
     alice = add_key(path, "alice", KeyLimits(rpm=100))
-    proc, address, _, _ = start_process(
+    proc, address, *_ = start_process(
         [
             "gateway",
             "--model",
@@ -42,6 +42,7 @@ def test_sighup_reloads_the_key_file(tmp_path, default_model_dir):
             "-1",
         ]
         + ["--api-keys", str(path), "--log-format", "json"],
+        env={"PDSERVE_CLUSTER_TOKEN": "test-token"},
         stderr=subprocess.PIPE,
         timeout=120,
     )

@@ -113,7 +113,7 @@ def test_mismatched_kv_layout_is_refused_at_registration(fresh):
             "--block-size",
             "32",
         ],
-        env={**os.environ, **UCX_ENV},
+        env={**os.environ, **UCX_ENV, **c.env},
         capture_output=True,
         text=True,
         timeout=120,

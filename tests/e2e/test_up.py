@@ -91,3 +91,35 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_up_tls_serves_over_tls_with_the_printed_ca_and_removes_it_on_exit():
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    env.pop("PDSERVE_CLUSTER_TOKEN", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--tls", "--port", "0"]
+        + ["--kv-cache-bytes", "256M", "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        words = None
+        for line in up.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
+            if line.startswith("pdserve is up: gateway at "):
+                words = line.split()
+                break
+        assert words, f"pdserve up --tls exited with {up.wait()} before it was up"
+        address, ca = words[5], words[words.index("--tls-ca") + 1]
+        with Client(address, timeout=120, tls_ca=ca) as client:
+            out = client.complete("Hello", SamplingParams(max_tokens=4, temperature=0))
+        assert len(out.token_ids) > 0
+        assert os.stat(os.path.join(os.path.dirname(ca), "worker.key")).st_mode & 0o077 == 0
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+        assert not os.path.exists(ca)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import secrets
 import shutil
 import threading
 from collections.abc import Coroutine
@@ -24,7 +25,9 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.main import GatewayOptions, GatewayServer, WorkerOptions, WorkerServer
 from safetensors.torch import save_file
 
+from pdserve.certs import CertFiles
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.tls import TLSConfig
 
 T = TypeVar("T")
 
@@ -120,7 +123,11 @@ class LoopThread:
 
 
 class Cluster:
-    """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes."""
+    """A gateway and named workers in this process. ``live()`` is what ``assert_no_leaks`` takes.
+
+    Workers register with a cluster token; with ``certs`` (``pdserve.certs.make_cluster_certs``)
+    and no token instead: the gateway serves TLS, its Registry on a port of its own that requires
+    a cluster certificate, and every process talks mutual TLS to the others."""
 
     def __init__(
         self,
@@ -130,8 +137,11 @@ class Cluster:
         api_keys_file: str | None = None,
         http: bool = False,
         lease_s: float = GatewayConfig.lease_s,
+        certs: dict[str, CertFiles] | None = None,
     ) -> None:
         self.model = model
+        self.certs = certs
+        self.token = None if certs else secrets.token_urlsafe(16)  # workers register with it
         self.loop = LoopThread()
         self.gateway = self.loop.run(
             GatewayServer.start(
@@ -146,6 +156,9 @@ class Cluster:
                     ),
                     metrics_port=-1,
                     http_port=0 if http else -1,
+                    cluster_token=self.token,
+                    tls=self._tls("gateway"),
+                    registry_port=0 if certs else None,
                 )
             )
         )
@@ -161,6 +174,12 @@ class Cluster:
         """The OpenAI-compatible HTTP API's host:port (a cluster started with ``http=True``)."""
         return self.gateway.http_address
 
+    def _tls(self, name: str) -> TLSConfig | None:
+        if self.certs is None:
+            return None
+        f = self.certs[name]
+        return TLSConfig(cert=str(f.cert), key=str(f.key), ca=str(f.ca))
+
     def worker_options(
         self,
         role: str,
@@ -169,7 +188,8 @@ class Cluster:
         gateway: str | None = None,
         **options: Any,
     ) -> WorkerOptions:
-        """A worker of the tiny model registering with ``gateway`` (default: this cluster's)."""
+        """A worker of the tiny model registering with ``gateway`` (default: this cluster's
+        Registry, with its cluster token or certificate)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
@@ -181,9 +201,11 @@ class Cluster:
             role=role,
             engine=engine,
             port=0,
-            gateway=gateway or self.address,
+            gateway=gateway or self.gateway.registry_address,
             transport="loopback",
             metrics_port=-1,
+            cluster_token=self.token,
+            tls=self._tls("worker"),
             **options,
         )
 
@@ -237,10 +259,11 @@ def start_cluster(
     api_keys_file: str | None = None,
     http: bool = False,
     lease_s: float = GatewayConfig.lease_s,
+    certs: dict[str, CertFiles] | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
     ``http``: the gateway serves its OpenAI-compatible HTTP API too."""
-    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http, lease_s)
+    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http, lease_s, certs)
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")

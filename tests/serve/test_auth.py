@@ -307,6 +307,7 @@ def test_a_gateway_with_an_unreadable_key_file_does_not_start(tiny_model_dir, tm
         model=str(tiny_model_dir),
         config=GatewayConfig(api_keys_file=str(tmp_path / "none.json")),
         metrics_port=-1,
+        cluster_token="t",
     )
     with pytest.raises(KeyFileError, match=r"cannot read the API key file .*none.json"):
         asyncio.run(GatewayServer.start(opts))

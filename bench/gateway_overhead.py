@@ -1,0 +1,238 @@
+"""What the gateway adds to a request: the same closed-loop load sent three ways to one colocated
+worker, in interleaved rounds within one run:
+
+- direct: the worker's own ``Decode.Generate`` (prompt token ids, ``prefill_locally``), no gateway;
+- grpc:   the gateway's ``Generation.Generate`` (same token ids), which routes to that worker;
+- http:   the gateway's OpenAI ``POST /v1/completions`` with ``stream: true`` (same token ids).
+
+Every request: the same prompt length (token ids drawn from the vocabulary), greedy,
+``ignore_eos``, the same output length. Reported per mode: latency and TTFT percentiles (median over
+rounds), what the gateway adds (mode minus direct) and the gateway process's CPU per request.
+The worker gets one core (``--cpus``), the gateway and this client share the other.
+
+    .venv/bin/python bench/gateway_overhead.py --users 32 --requests 128 --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import time
+
+import grpc
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.services.launcher import start_process, stop_processes  # noqa: E402
+
+from bench.common import ENV, cpu_seconds  # noqa: E402
+from pdserve.bench_serve import RequestResult, percentiles  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdserve.v1.convert import sampling_to_proto  # noqa: E402
+
+MODES = ("direct", "grpc", "http")
+
+
+def _record(r: RequestResult, start: float, now: float, last: float, n: int) -> float:
+    if r.output_tokens == 0:
+        r.ttft = now - start
+    else:
+        r.itl.append(now - last)
+    r.output_tokens += n
+    return now
+
+
+async def direct(stub, ids: list[int], params, rid: str) -> RequestResult:
+    req = worker_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=ids, sampling=params, prefill_locally=True
+    )
+    r = RequestResult(prompt_words=len(ids))
+    start = last = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=600):
+            if msg.WhichOneof("kind") == "tokens" and msg.tokens.token_ids:
+                last = _record(r, start, time.perf_counter(), last, len(msg.tokens.token_ids))
+    except grpc.aio.AioRpcError as e:
+        r.error = f"{e.code().name}: {e.details()}"
+    r.latency = time.perf_counter() - start
+    return r
+
+
+async def via_grpc(stub, ids: list[int], params, rid: str) -> RequestResult:
+    req = generation_pb2.GenerateRequest(
+        request_id=rid, token_ids=generation_pb2.TokenIds(ids=ids), sampling=params
+    )
+    r = RequestResult(prompt_words=len(ids))
+    start = last = time.perf_counter()
+    try:
+        async for delta in stub.Generate(req, timeout=600):
+            if delta.token_ids:
+                last = _record(r, start, time.perf_counter(), last, len(delta.token_ids))
+    except grpc.aio.AioRpcError as e:
+        r.error = f"{e.code().name}: {e.details()}"
+    r.latency = time.perf_counter() - start
+    return r
+
+
+async def via_http(client: httpx.AsyncClient, ids: list[int], output_len: int) -> RequestResult:
+    body = {
+        "prompt": ids,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    r = RequestResult(prompt_words=len(ids))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=600) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = _record(r, start, time.perf_counter(), last, 1)
+    except httpx.HTTPError as e:
+        r.error = f"{type(e).__name__}: {e}"
+    r.latency = time.perf_counter() - start
+    return r
+
+
+async def run_mode(mode: str, addrs: dict[str, str], args, prompts: list[list[int]]) -> dict:
+    params = sampling_to_proto(
+        SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    )
+    queue = list(reversed(prompts))
+    results: list[RequestResult] = []
+    async with (
+        grpc.aio.insecure_channel(addrs["worker"]) as wch,
+        grpc.aio.insecure_channel(addrs["gateway"]) as gch,
+        httpx.AsyncClient(
+            base_url=f"http://{addrs['http']}",
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        ) as client,
+    ):
+        worker = worker_pb2_grpc.DecodeStub(wch)
+        gateway = generation_pb2_grpc.GenerationStub(gch)
+
+        async def one(i: int, ids: list[int]) -> RequestResult:
+            rid = f"{mode}-{i}-{secrets.token_hex(4)}"
+            if mode == "direct":
+                return await direct(worker, ids, params, rid)
+            if mode == "grpc":
+                return await via_grpc(gateway, ids, params, rid)
+            return await via_http(client, ids, args.output_len)
+
+        async def user() -> None:
+            while queue:
+                i = len(queue)
+                results.append(await one(i, queue.pop()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(args.users)))
+        wall = time.perf_counter() - start
+    ok = [r for r in results if not r.error]
+    return {
+        "errors": len(results) - len(ok),
+        "error_samples": sorted({r.error for r in results if r.error})[:3],
+        "wall_s": wall,
+        "latency_s": percentiles([r.latency for r in ok]),
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "itl_s": percentiles([g for r in ok for g in r.itl]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--users", type=int, default=32)
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
+    procs = []
+    try:
+        os.sched_setaffinity(0, {0})  # the gateway (inherits it) and this client share core 0
+        gw = start_process(
+            ["gateway", "--port", "0", "--http-port", "0", "--metrics-port", "-1"], env=env
+        )
+        procs.append(gw.proc)
+        worker = start_process(
+            ["colocated", "--gateway", gw.registry, "--threads", str(args.threads), "--cpus", "1"]
+            + ["--kv-cache-bytes", "2G", "--max-num-seqs", "64", "--metrics-port", "-1"],
+            env=env,
+        )
+        procs.append(worker.proc)
+        addrs = {"worker": worker.address, "gateway": gw.address, "http": gw.http}
+        rng = random.Random(args.seed)
+        vocab = 49152
+        prompts = [
+            [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+            for _ in range(args.requests)
+        ]
+        for mode in MODES:  # warm-up: connections, kernels, the gateway's routes
+            asyncio.run(
+                run_mode(mode, addrs, argparse.Namespace(**{**vars(args), "users": 4}), prompts[:8])
+            )
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        for r in range(args.rounds):
+            order = MODES[r % 3 :] + MODES[: r % 3]
+            for mode in order:
+                cpu = cpu_seconds([gw.proc])
+                s = asyncio.run(run_mode(mode, addrs, args, prompts))
+                s["gateway_cpu_ms_per_request"] = (
+                    (cpu_seconds([gw.proc]) - cpu) / args.requests * 1e3
+                )
+                runs[mode].append(s)
+                print(
+                    f"round {r} {mode:6s}: latency p50 {s['latency_s']['p50'] * 1e3:.1f} p99 "
+                    f"{s['latency_s']['p99'] * 1e3:.1f} ms, TTFT p50 {s['ttft_s']['p50'] * 1e3:.1f} "
+                    f"p99 {s['ttft_s']['p99'] * 1e3:.1f} ms, gateway CPU "
+                    f"{s['gateway_cpu_ms_per_request']:.2f} ms/request, errors {s['errors']}",
+                    flush=True,
+                )
+    finally:
+        stop_processes(procs)
+
+    def med(mode: str, metric: str, q: str) -> float:
+        return statistics.median(s[metric][q] for s in runs[mode]) * 1e3
+
+    summary = {}
+    for mode in MODES:
+        summary[mode] = {
+            f"{metric}_{q}_ms": med(mode, metric, q)
+            for metric in ("latency_s", "ttft_s")
+            for q in ("p50", "p99")
+        }
+        summary[mode]["gateway_cpu_ms_per_request"] = statistics.median(
+            s["gateway_cpu_ms_per_request"] for s in runs[mode]
+        )
+    print("\nmedian over rounds (ms); added = mode - direct")
+    for mode in MODES:
+        s, d = summary[mode], summary["direct"]
+        print(
+            f"{mode:6s} latency p50 {s['latency_s_p50_ms']:.1f} (+{s['latency_s_p50_ms'] - d['latency_s_p50_ms']:.1f}) "
+            f"p99 {s['latency_s_p99_ms']:.1f} (+{s['latency_s_p99_ms'] - d['latency_s_p99_ms']:.1f}); "
+            f"TTFT p50 {s['ttft_s_p50_ms']:.1f} (+{s['ttft_s_p50_ms'] - d['ttft_s_p50_ms']:.1f}) "
+            f"p99 {s['ttft_s_p99_ms']:.1f} (+{s['ttft_s_p99_ms'] - d['ttft_s_p99_ms']:.1f}); "
+            f"gateway CPU {s['gateway_cpu_ms_per_request']:.2f} ms/request"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "summary": summary, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
