@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from pdserve.services.supervisor import ExitedBeforeReady, FatalExit, Supervisor
+
 from pdserve import envs
 
 
@@ -59,7 +61,10 @@ def start_process(
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise RuntimeError(f"pdserve {' '.join(argv)} exited (code {proc.wait()}) before it was ready")
+    code = proc.wait()
+    raise ExitedBeforeReady(
+        f"pdserve {' '.join(argv)} exited (code {code}) before it was ready", code
+    )
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
@@ -110,45 +115,42 @@ def cmd_up(args) -> int:
     if args.kv_cache_bytes:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     env = {envs.CLUSTER_TOKEN_ENV: envs.cluster_token() or secrets.token_urlsafe(32)}
-    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str]) -> tuple[subprocess.Popen, str]:
+        started = start_process(argv, env=env)
+        return started.proc, f", /metrics {started.metrics}"
+
+    cluster = Supervisor(start)
     certs_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-")) if args.tls else None
     try:
         gateway_tls, worker_tls, ca = _tls_argv(certs_dir)
         keys = ["--api-keys", args.api_keys] if args.api_keys else []
-        gateway = start_process(
-            [
-                "gateway",
-                "--model",
-                args.model,
-                "--port",
-                str(args.port),
-                "--http-port",
-                str(args.http_port),
-                "--metrics-port",
-                str(args.metrics_port),
-                *gateway_tls,
-                *keys,
-                *observe,
-            ],
-            env=env,
+        gateway_argv = ["gateway", "--model", args.model, *gateway_tls, *keys, *observe]
+        ports = {"--port": args.port, "--http-port": args.http_port}
+        ports["--metrics-port"] = args.metrics_port
+        gateway = start_process([*gateway_argv, *(f"{k}={v}" for k, v in ports.items())], env=env)
+        # Restarted, it comes back where the workers and clients know it: the ports it got.
+        ports.update({"--port": _port(gateway.address), "--http-port": _port(gateway.http)})
+        ports.update({"--metrics-port": _port(gateway.metrics)})
+        if "--registry-port" in gateway_argv:
+            gateway_argv[gateway_argv.index("--registry-port") + 1] = _port(gateway.registry)
+        cluster.add(
+            "gateway", [*gateway_argv, *(f"{k}={v}" for k, v in ports.items())], gateway.proc
         )
-        procs.append(gateway.proc)
         roles = (
             ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
-        starting = []
-        for role, cpu in zip(roles, cpus, strict=True):
+        metrics = [f"gateway {gateway.metrics}"]
+        for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
             argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
             argv += ["--threads", str(args.threads_per_worker)]
             if cpu:
                 argv += ["--cpus", cpu]
-            starting.append(argv)
-        metrics = [f"gateway {gateway.metrics}"]
-        for argv in starting:  # each is registered with the gateway once READY
-            started = start_process(argv, env=env)
-            procs.append(started.proc)
-            metrics.append(f"{argv[0]} {started.metrics}")
+            started = start_process(argv, env=env)  # registered with the gateway once READY
+            name = f"{role}-{roles[:i].count(role)}"
+            cluster.add(name, argv, started.proc)
+            metrics.append(f"{name} {started.metrics}")
         try_it = f"pdserve generate --url {gateway.address}" + (f" --tls-ca {ca}" if ca else "")
         print(
             f"pdserve is up: gateway at {gateway.address} ({args.prefill} prefill, {args.decode} decode, "
@@ -161,9 +163,15 @@ def cmd_up(args) -> int:
         if ca:
             print(f"TLS: CA {ca} (removed when pdserve up exits)", flush=True)
         print(f"/metrics: {', '.join(metrics)}", flush=True)
-        while all(p.poll() is None for p in procs):
+        print(
+            "processes: " + ", ".join(f"{s.name} pid {s.proc.pid}" for s in cluster.processes),
+            flush=True,
+        )
+        while True:  # a process that exits is started again (services/supervisor.py)
+            cluster.poll()
             time.sleep(0.5)
-        print("pdserve up: a process exited; stopping the rest", file=sys.stderr)
+    except FatalExit as e:
+        print(f"pdserve up: {e}; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -172,10 +180,16 @@ def cmd_up(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         grace = args.drain_timeout + 10
+        procs = cluster.procs
         stop_processes(procs[:1], grace)  # the gateway, draining through the workers
         stop_processes(procs[1:], grace)
         if certs_dir is not None:
             shutil.rmtree(certs_dir, ignore_errors=True)
+
+
+def _port(address: str) -> str:
+    """host:port -> port; "-" (off) stays "-1"."""
+    return "-1" if address == "-" else address.rsplit(":", 1)[1]
 
 
 def _tls_argv(folder: Path | None) -> tuple[list[str], list[str], str | None]:

@@ -104,6 +104,8 @@ def test_ports_health_checks_and_addresses_match_the_commands():
         assert s[role]["environment"]["UCX_TLS"] == "tcp", "shared memory does not cross containers"
     assert s["gateway"]["depends_on"]["jaeger"]["condition"] == "service_healthy"
     assert all(s[name].get("init") is True for name in s), "every service needs init: true"
+    for role in ROLES:  # a crashed or killed process comes back (not only a nonzero exit)
+        assert s[role]["restart"] == "unless-stopped", role
     assert all("healthcheck" in s[name] for name in s), "every service needs a health check"
 
 

@@ -1,6 +1,6 @@
 """``pdserve up`` as a script starts it (``pdserve up &``): it serves gRPC and the OpenAI-compatible
-HTTP API (the official client gets the gRPC API's greedy output), and one SIGINT stops it and every
-process it started."""
+HTTP API (the official client gets the gRPC API's greedy output), restarts a process killed
+outright, and one SIGINT stops it and every process it started."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import openai
 
 from pdserve import Client, SamplingParams
+from tests.helpers import SERVING, health, wait_until
 
 
 def _children(pid: int) -> list[int]:
@@ -58,6 +59,8 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
                 address = line.split()[5]
             if line.startswith("OpenAI-compatible HTTP API: "):
                 base_url = line.split()[-1]
+            if line.startswith("processes: "):  # "processes: gateway pid 1, prefill-0 pid 2, ..."
+                pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
                 break
         assert address and base_url, f"pdserve up exited with {up.wait()} before it was up"
         prompt = "What is the capital of France?"
@@ -83,6 +86,23 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         assert chat_text == chat.text
         workers = _children(up.pid)
         assert len(workers) == 3  # gateway, prefill, decode
+
+        # Supervision: a worker killed outright, and the gateway too, are started again (the
+        # gateway on its ports; the workers register with it again) and the cluster serves.
+        for name in ("decode-0", "gateway"):
+            os.kill(pids[name], signal.SIGKILL)
+            for line in up.stdout:
+                if line.startswith(f"pdserve up: {name} restarted (pid "):
+                    pids[name] = int(line.split("(pid ")[1].split(",")[0])
+                    break
+            assert _alive(pids[name]), f"{name} was not restarted"
+        # The workers register again on their next heartbeat; until then the gateway says so.
+        wait_until(lambda: health(address) == SERVING, 30, "the restarted gateway serves")
+        with Client(address, timeout=120) as client:
+            after = client.complete(prompt, SamplingParams(max_tokens=8, temperature=0))
+        assert after.token_ids == out.token_ids
+        workers = _children(up.pid)
+        assert sorted(workers) == sorted(pids.values())
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
