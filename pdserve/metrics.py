@@ -84,6 +84,11 @@ class GatewayMetrics(_Metrics):
         self.retries = Counter(
             "pdserve_retries", "Tries of a request on another worker pair", registry=r
         )
+        self.resumes = Counter(
+            "pdserve_resumes",
+            "Requests continued on another worker after tokens were streamed (the worker failed)",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of requests served", registry=r
         )

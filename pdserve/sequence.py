@@ -45,7 +45,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +71,11 @@ class Sequence:
         )
 
     def sampler_row(self) -> SamplerRow:
+        """With a seed, the draws for the next token depend on the seed and the token's position
+        alone: whichever worker samples it (the prefill worker the first token, a decode worker
+        the rest, another one after a resume whose prompt holds the tokens so far) draws the same."""
+        if self.generator is not None:
+            self.generator.manual_seed(position_seed(self.params.seed, self.num_tokens))
         return SamplerRow(self.params, self.generator)
 
     def check_token_stop(self) -> str | None:
@@ -83,3 +88,15 @@ class Sequence:
         if len(self.output_token_ids) >= self.params.max_tokens:
             return "length"
         return None
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A generator seed for sampling the token at ``position`` of a request seeded with ``seed``:
+    splitmix64 of the pair, so neighbouring positions and seeds get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)  # manual_seed takes a non-negative int64

@@ -10,7 +10,9 @@ class GatewayConfig:
     """``policy``: how workers are picked (``router.POLICIES``); ``lease_s``: how long a worker stays
     listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds blocks reserved
     for a KV transfer (and the prefill call's deadline when the client set none);
-    ``max_attempts``: worker pairs tried before the first token; ``queue_timeout_s``: how long a
+    ``max_attempts``: worker pairs tried before the first token; ``max_resumes``: how many times
+    a request whose worker fails after tokens were streamed is continued on another worker (its
+    prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a
     request without a deadline waits while every decode worker is full; ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open)."""
@@ -19,6 +21,7 @@ class GatewayConfig:
     lease_s: float = 10.0
     kv_timeout_s: float = 30.0
     max_attempts: int = 3
+    max_resumes: int = 3
     queue_timeout_s: float = 300.0
     api_keys_file: str | None = None
 
@@ -28,3 +31,5 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
+            raise ValueError(f"max_resumes must be an integer >= 0, got {self.max_resumes!r}")

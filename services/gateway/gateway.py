@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from pdserve.services.gateway.accounting import GatewayRequest
@@ -182,8 +182,17 @@ class Gateway:
         last_error = "no worker is registered"
         attempts = 0
         tries = itertools.count()
+        sent: list[int] = []  # tokens streamed to the client: a resumed try continues after them
+        resumes = 0
         while attempts < cfg.max_attempts:
-            stream = self._pick(req, next(tries), ids, params, timeout, tried | full)
+            # A resumed try prefills prompt + the tokens sent so far and generates the rest; the
+            # sampler's draws depend on the position only (pdserve/sequence.py), so seeded
+            # sampling goes on as if nothing happened.
+            try_ids = ids + sent if sent else ids
+            try_params = (
+                replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
+            )
+            stream = self._pick(req, next(tries), try_ids, try_params, timeout, tried | full)
             if stream is None:
                 if not full:
                     break
@@ -205,10 +214,8 @@ class Gateway:
                     self.metrics.waiting.dec()
                 full.clear()
                 continue
-            started = False
             try:
                 async for token_ids, logprobs, finish in stream:
-                    started = True
                     delta = Delta(logprobs=logprobs)
                     for t in token_ids:
                         delta.token_ids.append(t)
@@ -219,16 +226,28 @@ class Gateway:
                     delta.finish_reason = finish
                     if not delta.token_ids and not delta.text and not finish:
                         continue
+                    sent += delta.token_ids
                     yield delta
                     if finish:
                         return
                 raise _WorkerFailed(None, "worker stream ended without a finish reason")
             except _WorkerFailed as e:
-                if started:
-                    raise GatewayError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker failed mid-stream after the first token: {e}",
-                    ) from None
+                if sent:  # the client has tokens: go on from them on another worker
+                    if e.worker is not None:
+                        tried.add(e.worker.worker_id)
+                        e.worker.failures += 1
+                    if resumes >= cfg.max_resumes:
+                        raise GatewayError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"worker failed mid-stream after {len(sent)} tokens "
+                            f"({resumes} resumes, at most {cfg.max_resumes}): {e}",
+                        ) from None
+                    resumes += 1
+                    last_error = f"resuming after {len(sent)} tokens: {e}"
+                    self.metrics.resumes.inc()
+                    req.log.warning("request.resume", error=str(e), sent_tokens=len(sent))
+                    req.span.add_event("resume", {"error": str(e), "sent_tokens": len(sent)})
+                    continue
                 last_error = str(e)
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.worker is not None:
                     full.add(e.worker.worker_id)
@@ -282,6 +301,7 @@ class Gateway:
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
+        worker.calls.add(call)
         try:
             async for msg in _read(call, worker):
                 c = msg.tokens
@@ -292,6 +312,7 @@ class Gateway:
                 )
         finally:
             worker.outstanding_tokens -= cost
+            worker.calls.discard(call)
             call.cancel()
             await self._released()
 
@@ -310,28 +331,34 @@ class Gateway:
             timeout=timeout,
             metadata=md,
         )
+        decode.calls.add(call)
         prefill_done = False
         try:
             reader = _read(call, decode)
             first = await anext(reader, None)
             if first is None or not first.HasField("admitted"):
                 raise _WorkerFailed(decode, "decode worker did not admit the request")
+            prefill_call = prefill.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling=sampling,
+                    destination=first.admitted.destination,
+                ),
+                timeout=timeout or self.config.kv_timeout_s,
+                metadata=md,
+            )
+            prefill.calls.add(prefill_call)
             try:
-                resp = await prefill.stub.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=rid,
-                        prompt_token_ids=ids,
-                        sampling=sampling,
-                        destination=first.admitted.destination,
-                    ),
-                    timeout=timeout or self.config.kv_timeout_s,
-                    metadata=md,
-                )
+                resp = await prefill_call
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
                     prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
                 ) from None
+            except asyncio.CancelledError:
+                raise _evicted(prefill) from None
             finally:
+                prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= len(ids)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
@@ -345,6 +372,7 @@ class Gateway:
                 )
         finally:
             decode.outstanding_tokens -= cost
+            decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= len(ids)
             call.cancel()
@@ -368,3 +396,18 @@ async def _read(call, worker: Worker):
         raise _WorkerFailed(
             worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()
         ) from None
+    except asyncio.CancelledError:
+        raise _evicted(worker) from None
+
+
+def _evicted(worker: Worker) -> BaseException:
+    """What a call the gateway cancelled becomes: the worker failed, when it was evicted (the
+    request goes on elsewhere); the cancellation itself otherwise (the client went away)."""
+    task = asyncio.current_task()
+    if worker.evicted is None or (task is not None and task.cancelling()):
+        return asyncio.CancelledError()
+    return _WorkerFailed(
+        worker,
+        f"{worker.role} worker {worker.address} was evicted: {worker.evicted}",
+        grpc.StatusCode.UNAVAILABLE,
+    )

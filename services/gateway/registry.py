@@ -23,6 +23,9 @@ class Worker:
     outstanding_tokens: int = 0  # of requests this gateway has in flight there
     failures: int = 0
     channel: object = field(default=None, repr=False)
+    # the gateway's calls running there now; evict() cancels them (their requests resume elsewhere)
+    calls: set = field(default_factory=set, repr=False)
+    evicted: str | None = None  # why it was evicted, until it registers again
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -34,7 +37,15 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self.static or time.monotonic() < self.lease_expires
+        return self.evicted is None and (self.static or time.monotonic() < self.lease_expires)
+
+    def evict(self, reason: str) -> None:
+        """Stop routing here and cancel the calls running here: their requests see the worker
+        fail (``reason``) and continue elsewhere. It rejoins when it registers again."""
+        self.evicted = reason
+        self.lease_expires = 0.0
+        for call in list(self.calls):
+            call.cancel()
 
 
 class LayoutMismatchError(ValueError):
@@ -72,6 +83,7 @@ class WorkerRegistry:
             )
         old = self.workers.get(worker_id)
         if old is not None and old.address == address and old.role == role:
+            old.evicted = None
             old.lease_expires = time.monotonic() + self.lease_s
             self._changed()
             return old
@@ -103,6 +115,11 @@ class WorkerRegistry:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+    def evict(self, worker: Worker, reason: str) -> None:
+        """``worker.evict(reason)``, and the gateway's health looks again."""
+        worker.evict(reason)
+        self._changed()
 
     def heartbeat(self, worker_id: str) -> bool:
         w = self.workers.get(worker_id)

@@ -46,7 +46,7 @@ def test_when_every_pair_fails_the_client_gets_unavailable(cluster):
     assert_no_leaks(c.live())
 
 
-def test_a_decode_worker_lost_mid_stream_ends_the_stream_with_unavailable(cluster):
+def test_a_stream_whose_only_decode_worker_is_lost_ends_with_unavailable(cluster):
     c = cluster(prefill=1, decode=1)
     with Client(c.address, timeout=30) as client:
         stream = client.generate_stream(
@@ -58,8 +58,44 @@ def test_a_decode_worker_lost_mid_stream_ends_the_stream_with_unavailable(cluste
             for _ in stream:
                 pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "worker failed mid-stream after the first token" in err.value.details()
+    assert err.value.details().startswith("no worker could serve the request: resuming after ")
+    assert c.gateway_metric("pdserve_resumes_total") == 1
     assert c.gateway_metric("pdserve_retries_total") == 0
+    assert_no_leaks(c.live())
+
+
+def _serving(c, role: str) -> str:
+    """The name of the ``role`` worker the gateway has a call running on."""
+    busy = {w.address for w in c.gateway.registry.workers.values() if w.calls and w.role == role}
+    (name,) = [n for n, w in c.workers.items() if w.address in busy]
+    return name
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=50, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_decode_worker_lost_mid_stream_is_resumed_on_another_with_the_same_output(
+    cluster, params
+):
+    c = cluster(prefill=1, decode=2)
+    prompt = [5, 6, 7, 8, 9]
+    with Client(c.address, timeout=60) as client:
+        want = client.complete(prompt, params)
+        stream = client.generate_stream(prompt, params)
+        got = list(next(stream).token_ids) + list(next(stream).token_ids)
+        c.stop_worker(_serving(c, "decode"))
+        for delta in stream:
+            got += delta.token_ids
+            last = delta
+    assert got == want.token_ids and len(got) == 40
+    assert last.finish_reason == "length"
+    assert last.usage.prompt_tokens == 5 and last.usage.completion_tokens == 40
+    assert c.gateway_metric("pdserve_resumes_total") == 1
     assert_no_leaks(c.live())
 
 
