@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -111,3 +113,19 @@ def seat_held(address: str):
             yield call
         finally:
             call.cancel()
+
+
+def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page at host:port: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric_value(address: str, name: str, **labels: str) -> float:
+    """One sample of the /metrics page at host:port (0 when absent)."""
+    return scrape_metrics(address).get((name, tuple(sorted(labels.items()))), 0.0)

@@ -4,12 +4,10 @@ exported to a real OTLP/gRPC receiver started by the test."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import grpc
 import pytest
 from pdserve.services.launcher import stop_processes
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import Client, SamplingParams
 from pdserve.config import resolve_dtype
@@ -19,7 +17,7 @@ from pdserve.transfer import KVLayout
 from pdserve.transfer.header import HEADER_NBYTES
 from pdserve.transfer.plan import plan_nbytes
 from tests.e2e.cluster import start_cluster
-from tests.helpers import assert_no_leaks
+from tests.helpers import assert_no_leaks, scrape_metrics
 
 SECRET = "zebra quokka marmalade"  # a prompt that must never appear in the logs
 SPAN_NAMES = {
@@ -205,17 +203,6 @@ def test_logs_are_json_with_the_exported_trace_ids_and_no_prompt(traced):
     assert {"request.start", "request.routed", "request.end"} <= set(seen["gateway"])
 
 
-def _scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a /metrics page: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def _delta(before, after, name, **labels) -> float:
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
@@ -224,7 +211,7 @@ def _delta(before, after, name, **labels) -> float:
 def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
     c, _, _ = traced
     names = ("gateway", "prefill", "decode")
-    before = {n: _scrape(c.metrics[n]) for n in names}
+    before = {n: scrape_metrics(c.metrics[n]) for n in names}
     jobs = [
         (list(range(10, 10 + n_prompt)), n_out)
         for n_prompt, n_out in [(5, 1), (17, 4), (33, 7), (64, 2)]
@@ -239,7 +226,7 @@ def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
         with pytest.raises(grpc.RpcError):
             client.complete([], SamplingParams(max_tokens=1))
     assert_no_leaks(c.live())
-    after = {n: _scrape(c.metrics[n]) for n in names}
+    after = {n: scrape_metrics(c.metrics[n]) for n in names}
     g, p, d = ((before[n], after[n]) for n in names)
     num, outs, prompts = len(jobs), sum(n for _, n in jobs), sum(len(ids) for ids, _ in jobs)
     # gateway: one ok per request, tokens as sent, one TTFT per request, one ITL per later token
