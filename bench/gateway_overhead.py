@@ -1,12 +1,13 @@
-"""What the gateway adds to a request: the same closed-loop load sent three ways to one colocated
-worker, in interleaved rounds within one run:
+"""What the gateway adds to a request: one closed-loop load sent three ways at once to one
+colocated worker (each user's requests go in turn):
 
 - direct: the worker's own ``Decode.Generate`` (prompt token ids, ``prefill_locally``), no gateway;
 - grpc:   the gateway's ``Generation.Generate`` (same token ids), which routes to that worker;
 - http:   the gateway's OpenAI ``POST /v1/completions`` with ``stream: true`` (same token ids).
 
 Every request: the same prompt length (token ids drawn from the vocabulary), greedy,
-``ignore_eos``, the same output length. Reported per mode: latency and TTFT percentiles (median over
+``ignore_eos``, the same output length. The modes share the worker's batches, so the difference of
+their latencies is the path's. Reported per mode: latency and TTFT percentiles (median over
 rounds), what the gateway adds (mode minus direct) and the gateway process's CPU per request.
 The worker gets one core (``--cpus``), the gateway and this client share the other.
 
@@ -106,12 +107,15 @@ async def via_http(client: httpx.AsyncClient, ids: list[int], output_len: int) -
     return r
 
 
-async def run_mode(mode: str, addrs: dict[str, str], args, prompts: list[list[int]]) -> dict:
+async def run_mixed(addrs: dict[str, str], args, prompts: list[list[int]]) -> dict[str, dict]:
+    """Every user sends its requests in turn direct, over gRPC and over HTTP (users start at
+    different modes), so the three modes share the worker's batches at every moment: what
+    differs between their latencies is the path, not the load."""
     params = sampling_to_proto(
         SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     )
     queue = list(reversed(prompts))
-    results: list[RequestResult] = []
+    results: dict[str, list[RequestResult]] = {m: [] for m in MODES}
     async with (
         grpc.aio.insecure_channel(addrs["worker"]) as wch,
         grpc.aio.insecure_channel(addrs["gateway"]) as gch,
@@ -123,31 +127,34 @@ async def run_mode(mode: str, addrs: dict[str, str], args, prompts: list[list[in
         worker = worker_pb2_grpc.DecodeStub(wch)
         gateway = generation_pb2_grpc.GenerationStub(gch)
 
-        async def one(i: int, ids: list[int]) -> RequestResult:
-            rid = f"{mode}-{i}-{secrets.token_hex(4)}"
+        async def one(mode: str, ids: list[int]) -> RequestResult:
+            rid = f"{mode}-{secrets.token_hex(6)}"
             if mode == "direct":
                 return await direct(worker, ids, params, rid)
             if mode == "grpc":
                 return await via_grpc(gateway, ids, params, rid)
             return await via_http(client, ids, args.output_len)
 
-        async def user() -> None:
+        async def user(uid: int) -> None:
+            n = uid
             while queue:
-                i = len(queue)
-                results.append(await one(i, queue.pop()))
+                mode = MODES[n % len(MODES)]
+                results[mode].append(await one(mode, queue.pop()))
+                n += 1
 
-        start = time.perf_counter()
-        await asyncio.gather(*(user() for _ in range(args.users)))
-        wall = time.perf_counter() - start
-    ok = [r for r in results if not r.error]
-    return {
-        "errors": len(results) - len(ok),
-        "error_samples": sorted({r.error for r in results if r.error})[:3],
-        "wall_s": wall,
-        "latency_s": percentiles([r.latency for r in ok]),
-        "ttft_s": percentiles([r.ttft for r in ok]),
-        "itl_s": percentiles([g for r in ok for g in r.itl]),
-    }
+        await asyncio.gather(*(user(u) for u in range(args.users)))
+    out = {}
+    for mode, rs in results.items():
+        ok = [r for r in rs if not r.error]
+        out[mode] = {
+            "requests": len(rs),
+            "errors": len(rs) - len(ok),
+            "error_samples": sorted({r.error for r in rs if r.error})[:3],
+            "latency_s": percentiles([r.latency for r in ok]),
+            "ttft_s": percentiles([r.ttft for r in ok]),
+            "itl_s": percentiles([g for r in ok for g in r.itl]),
+        }
+    return out
 
 
 def main() -> None:
@@ -182,27 +189,24 @@ def main() -> None:
             [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
             for _ in range(args.requests)
         ]
-        for mode in MODES:  # warm-up: connections, kernels, the gateway's routes
-            asyncio.run(
-                run_mode(mode, addrs, argparse.Namespace(**{**vars(args), "users": 4}), prompts[:8])
-            )
+        warm = argparse.Namespace(**{**vars(args), "users": 6})
+        asyncio.run(run_mixed(addrs, warm, prompts[:12]))  # connections, kernels, routes
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.rounds):
-            order = MODES[r % 3 :] + MODES[: r % 3]
-            for mode in order:
-                cpu = cpu_seconds([gw.proc])
-                s = asyncio.run(run_mode(mode, addrs, args, prompts))
-                s["gateway_cpu_ms_per_request"] = (
-                    (cpu_seconds([gw.proc]) - cpu) / args.requests * 1e3
-                )
+            cpu = cpu_seconds([gw.proc])
+            got = asyncio.run(run_mixed(addrs, args, prompts))
+            gw_requests = got["grpc"]["requests"] + got["http"]["requests"]
+            gw_cpu = (cpu_seconds([gw.proc]) - cpu) / max(gw_requests, 1) * 1e3
+            for mode, s in got.items():
+                s["gateway_cpu_ms_per_request"] = gw_cpu if mode != "direct" else 0.0
                 runs[mode].append(s)
                 print(
                     f"round {r} {mode:6s}: latency p50 {s['latency_s']['p50'] * 1e3:.1f} p99 "
                     f"{s['latency_s']['p99'] * 1e3:.1f} ms, TTFT p50 {s['ttft_s']['p50'] * 1e3:.1f} "
-                    f"p99 {s['ttft_s']['p99'] * 1e3:.1f} ms, gateway CPU "
-                    f"{s['gateway_cpu_ms_per_request']:.2f} ms/request, errors {s['errors']}",
+                    f"p99 {s['ttft_s']['p99'] * 1e3:.1f} ms, errors {s['errors']}",
                     flush=True,
                 )
+            print(f"round {r} gateway CPU {gw_cpu:.2f} ms per gateway request", flush=True)
     finally:
         stop_processes(procs)
 
