@@ -84,6 +84,13 @@ class GatewayMetrics(_Metrics):
         self.retries = Counter(
             "pdserve_retries", "Tries of a request on another worker pair", registry=r
         )
+        self.placement = Counter(
+            "pdserve_placement",
+            "Where a request with a prefill and a decode worker to choose from was prefilled: "
+            "disaggregated, or on its decode worker (short_prompt, prefill_busy)",
+            ["reason"],
+            registry=r,
+        )
         self.resumes = Counter(
             "pdserve_resumes",
             "Requests continued on another worker after tokens were streamed (the worker failed)",

@@ -40,6 +40,9 @@ def gateway_config(args) -> GatewayConfig:
         max_attempts=args.max_attempts,
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
+        max_resumes=args.max_resumes,
+        local_prefill_tokens=args.local_prefill_tokens,
+        decode_prefill_budget_s=args.decode_prefill_budget,
     )
 
 
@@ -195,6 +198,20 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="worker pairs a request tries before its first token",
     )
     gw.add_argument(
+        "--max-resumes",
+        type=int,
+        default=GatewayConfig.max_resumes,
+        help="times a request whose worker fails after tokens were streamed continues on another",
+    )
+    gw.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=GatewayConfig.local_prefill_tokens,
+        help="prompts this short are prefilled by their decode worker, not shipped from a prefill "
+        "worker",
+    )
+    _placement_arg(gw)
+    gw.add_argument(
         "--queue-timeout",
         type=float,
         default=GatewayConfig.queue_timeout_s,
@@ -251,6 +268,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     engine_args(up)
     up.add_argument("--port", type=int, default=50051)
     _http_arg(up)
+    _placement_arg(up)
     up.add_argument(
         "--api-keys",
         default=None,
@@ -379,6 +397,18 @@ def _http_arg(p: argparse.ArgumentParser) -> None:
         default=HTTP_PORT,
         help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
+    )
+
+
+def _placement_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode-prefill-budget",
+        type=float,
+        default=GatewayConfig.decode_prefill_budget_s,
+        metavar="SECONDS",
+        help="a decode worker prefills a prompt itself while the prefill workers' queue is longer "
+        "and its own prefills fit in this many seconds of its streams' time (0: always "
+        "disaggregate)",
     )
 
 

@@ -126,6 +126,7 @@ def cmd_up(args) -> int:
         gateway_tls, worker_tls, ca = _tls_argv(certs_dir)
         keys = ["--api-keys", args.api_keys] if args.api_keys else []
         gateway_argv = ["gateway", "--model", args.model, *gateway_tls, *keys, *observe]
+        gateway_argv += ["--decode-prefill-budget", str(args.decode_prefill_budget)]
         ports = {"--port": args.port, "--http-port": args.http_port}
         ports["--metrics-port"] = args.metrics_port
         gateway = start_process([*gateway_argv, *(f"{k}={v}" for k, v in ports.items())], env=env)

@@ -15,7 +15,10 @@ class GatewayConfig:
     prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a
     request without a deadline waits while every decode worker is full; ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
-    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open)."""
+    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
+    ``local_prefill_tokens`` and ``decode_prefill_budget_s``: when a decode worker prefills a
+    prompt itself instead of a prefill worker (``placement.py``); a budget of 0 always
+    disaggregates."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
@@ -24,6 +27,8 @@ class GatewayConfig:
     max_resumes: int = 3
     queue_timeout_s: float = 300.0
     api_keys_file: str | None = None
+    local_prefill_tokens: int = 32
+    decode_prefill_budget_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "kv_timeout_s", "queue_timeout_s"):
@@ -31,5 +36,13 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:
+            raise ValueError(
+                f"local_prefill_tokens must be an integer >= 0, got {self.local_prefill_tokens!r}"
+            )
+        if not self.decode_prefill_budget_s >= 0:
+            raise ValueError(
+                f"decode_prefill_budget_s must be >= 0 seconds, got {self.decode_prefill_budget_s}"
+            )
         if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
             raise ValueError(f"max_resumes must be an integer >= 0, got {self.max_resumes!r}")

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
+from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
 from pdserve.services.gateway.config import GatewayConfig
@@ -284,7 +286,12 @@ class Gateway:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, ids, params, timeout, md)
-        req.routed("disaggregated", decode.address, prefill.address, attempt)
+        reason = placement.decide(len(ids), prefill, decode, self.config)
+        self.metrics.placement.labels(reason).inc()
+        if reason != placement.DISAGGREGATED:
+            req.routed("local:decode", decode.address, "", attempt, reason)
+            return self._local(decode, rid, ids, params, timeout, md)
+        req.routed("disaggregated", decode.address, prefill.address, attempt, reason)
         return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
 
     async def _released(self) -> None:
@@ -300,10 +307,15 @@ class Gateway:
         )
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
+        worker.local_prefill_tokens += len(ids)  # until its first token
+        prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.calls.add(call)
         try:
             async for msg in _read(call, worker):
+                if prefilling:
+                    worker.local_prefill_tokens -= len(ids)
+                    prefilling = False
                 c = msg.tokens
                 yield (
                     list(c.token_ids),
@@ -312,6 +324,8 @@ class Gateway:
                 )
         finally:
             worker.outstanding_tokens -= cost
+            if prefilling:
+                worker.local_prefill_tokens -= len(ids)
             worker.calls.discard(call)
             call.cancel()
             await self._released()
@@ -349,8 +363,11 @@ class Gateway:
                 metadata=md,
             )
             prefill.calls.add(prefill_call)
+            queued = prefill.outstanding_tokens - len(ids)
+            began = time.perf_counter()
             try:
                 resp = await prefill_call
+                placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
                     prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()

@@ -25,10 +25,19 @@ def test_gateway_defaults_are_gateway_configs():
 def test_gateway_options_reach_the_config():
     args = build_parser().parse_args(
         "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 "
-        "--queue-timeout 9 --api-keys k.json".split()
+        "--queue-timeout 9 --api-keys k.json --max-resumes 1 --local-prefill-tokens 8 "
+        "--decode-prefill-budget 0.25".split()
     )
     assert serve_cli.gateway_config(args) == GatewayConfig(
-        "round_robin", 3.0, 7.0, 5, 9.0, "k.json"
+        policy="round_robin",
+        lease_s=3.0,
+        kv_timeout_s=7.0,
+        max_attempts=5,
+        max_resumes=1,
+        queue_timeout_s=9.0,
+        api_keys_file="k.json",
+        local_prefill_tokens=8,
+        decode_prefill_budget_s=0.25,
     )
 
 
@@ -53,5 +62,6 @@ def test_generate_sampling_defaults_are_sampling_params_but_for_its_own_two():
 def test_every_gateway_config_field_has_an_option():
     args = vars(build_parser().parse_args(["gateway"]))
     options = {"policy", "lease", "kv_timeout", "max_attempts", "queue_timeout", "api_keys"}
+    options |= {"max_resumes", "local_prefill_tokens", "decode_prefill_budget"}
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))
