@@ -30,6 +30,9 @@ _OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+# A status message longer than this is cut (it travels in a header; a client refuses large ones).
+MAX_STATUS_MESSAGE_CHARS = 512
+
 ErrorTable = Mapping[type[Exception], grpc.StatusCode]
 
 
@@ -54,14 +57,21 @@ def _table_code(exc: BaseException, errors: ErrorTable) -> grpc.StatusCode | Non
     return None
 
 
+def _cut(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE_CHARS:
+        return message
+    return message[: MAX_STATUS_MESSAGE_CHARS - 3] + "..."
+
+
 def status_of(exc: BaseException, errors: ErrorTable) -> tuple[grpc.StatusCode, str]:
-    """The status a call that raised ``exc`` ends with: see the module's docstring."""
+    """The status a call that raised ``exc`` ends with (see the module's docstring), its message
+    at most MAX_STATUS_MESSAGE_CHARS long."""
     if isinstance(exc, StatusError):
-        return exc.code, str(exc)
+        return exc.code, _cut(str(exc))
     code = _table_code(exc, errors)
     if code is None:
-        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-    return code, str(exc)
+        return grpc.StatusCode.INTERNAL, _cut(f"internal error: {type(exc).__name__}: {exc}")
+    return code, _cut(str(exc))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+MAX_REQUEST_ID_CHARS = 128  # a client's request id: logs, spans and every response carry it
+
 
 def validate_prompt(
     prompt_token_ids: Sequence[int], max_tokens: int, max_model_len: int, vocab_size: int
@@ -22,3 +24,18 @@ def validate_prompt(
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_request_id(request_id: str, name: str = "request_id") -> None:
+    """Raises ValueError unless ``request_id`` (a client's own id for its request; empty: none)
+    has at most MAX_REQUEST_ID_CHARS characters, all printable. ``name``: what the client calls
+    it, for the message."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(
+            f"{name} has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    if not request_id.isprintable():
+        raise ValueError(
+            f"{name} {request_id!r} has a character that is not printable; "
+            "only printable characters are allowed"
+        )

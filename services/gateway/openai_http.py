@@ -215,6 +215,7 @@ class OpenAIApp:
         which ends with the status the client gets (CANCELLED when it went away)."""
         gw = self.gateway
         with gw.open(request_id, list(request.headers.items()), r.stream) as req:
+            gw.check_request_id(request_id, "the X-Request-Id header")
             deltas = gw.generate(req, r.prompt, r.params, None, caller)
             async with contextlib.aclosing(deltas):
                 async for d in deltas:

@@ -213,6 +213,14 @@ def test_unknown_model_is_404(oai):
         ("top_k", 2**40),
         ("stop", [1, 2]),
         ("stop", ["s"] * 17),
+        ("stop", ["s" * 257]),
+        ("stop", ["a", ""]),
+        ("stop", ""),
+        ("temperature", 2.5),
+        ("top_p", 1.01),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("ignore_eos", "yes"),
         ("stream", "yes"),
         ("presence_penalty", 0.5),
         ("prompt", []),
@@ -227,6 +235,50 @@ def test_a_bad_value_is_400_naming_the_field(http_cluster, oai, field, value):
     err = _error(e.value)
     assert err["param"] == field
     assert field in err["message"]
+    assert_no_leaks(http_cluster.live())
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        (dict(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens must be"),
+        (dict(max_tokens=-3), "max_tokens", "max_tokens must be an integer >= 1, got -3"),
+        (
+            dict(logprobs=True, top_logprobs=21),
+            "top_logprobs",
+            "top_logprobs must be None or an integer in [0, 20], got 21",
+        ),
+        (dict(stop=["s"] * 17), "stop", "stop takes at most 16 strings, got 17"),
+        (
+            dict(messages=[{"role": "user", "content": "Hi"}] * 4097),
+            "messages",
+            "chat has 4097 messages; at most 4096 are allowed",
+        ),
+    ],
+)
+def test_a_bad_chat_value_is_400_naming_the_field_as_the_request_does(
+    http_cluster, oai, extra, param, message
+):
+    body = {"model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.post("/chat/completions", cast_to=object, body=body)
+    err = _error(e.value)
+    assert err["param"] == param
+    assert message in err["message"]
+    assert_no_leaks(http_cluster.live())
+
+
+def test_a_bad_request_id_header_is_400(http_cluster):
+    base = f"http://{http_cluster.http_address}/v1"
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=30) as h:
+        r = h.post(f"{base}/completions", json=body, headers={"x-request-id": "r" * 129})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            "the X-Request-Id header has 129 characters; at most 128 are allowed"
+        )
+        r = h.post(f"{base}/completions", json=body, headers={"x-request-id": "r" * 128})
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-" + "r" * 128
     assert_no_leaks(http_cluster.live())
 
 
@@ -251,8 +303,10 @@ def test_malformed_json_too_large_body_and_unknown_routes(http_cluster):
         r = h.post(f"{base}/completions", content=big)
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
-        r = h.post(f"{base}/completions", content=b'{"prompt": "Hi", "temperature": NaN}')
-        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        for temperature in (b"NaN", b"Infinity", b"1e400"):  # the last one reads as inf
+            raw = b'{"prompt": "Hi", "temperature": %s}' % temperature
+            r = h.post(f"{base}/completions", content=raw)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
         r = h.get(f"{base}/completions")
         assert r.status_code == 405 and "error" in r.json()
         r = h.get(f"{base}/nothing")
