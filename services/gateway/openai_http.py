@@ -87,9 +87,22 @@ async def _read_json(request: Request) -> Any:
             raise _TooLarge()
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise api.RequestError(f"the request body is not valid JSON: {e}"[:300]) from None
+    # JSON's \u escapes may spell half a surrogate pair, which no UTF-8 text holds: the tokenizer
+    # and the gRPC messages to the workers would fail on it
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end]
+        raise api.RequestError(
+            f"the request body has a string that is not valid Unicode ({bad!r}, half a surrogate "
+            "pair); every string must be UTF-8 text"
+        ) from None
+    except RecursionError:
+        raise api.RequestError("the request body is nested too deeply") from None
+    return body
 
 
 class _TooLarge(Exception):

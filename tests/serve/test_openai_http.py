@@ -303,6 +303,12 @@ def test_malformed_json_too_large_body_and_unknown_routes(http_cluster):
         r = h.post(f"{base}/completions", content=big)
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
+        for raw in (b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "\\udc00"}]}'):
+            r = h.post(f"{base}/chat/completions", content=raw)
+            assert r.status_code == 400, raw
+            assert "not valid Unicode" in r.json()["error"]["message"]
+        r = h.post(f"{base}/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+        assert r.status_code == 200  # a surrogate pair is a character (an emoji)
         for temperature in (b"NaN", b"Infinity", b"1e400"):  # the last one reads as inf
             raw = b'{"prompt": "Hi", "temperature": %s}' % temperature
             r = h.post(f"{base}/completions", content=raw)
