@@ -343,6 +343,25 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0 picks a port).
+
+    Made with proto IPPROTO_TCP, not the 0 of ``socket.create_server``: asyncio disables Nagle's
+    algorithm (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP, and with Nagle on
+    a response's body waits on the client's delayed ACK of its head, some 40 ms an answer (and a
+    streamed token)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server does
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class OpenAIServer:
     """The HTTP API serving in the running event loop: ``await start()``, ``await stop()``."""
 
@@ -361,8 +380,7 @@ class OpenAIServer:
 
     async def start(self) -> None:
         """Bind (OSError when the port is taken) and serve."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._sock = sock = socket.create_server((self.host, self.requested_port), family=family)
+        self._sock = sock = _listen(self.host, self.requested_port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app.app,

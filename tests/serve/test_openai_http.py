@@ -5,6 +5,7 @@ codes, and no block left behind by a client that goes away mid-stream."""
 from __future__ import annotations
 
 import json
+import socket
 
 import grpc
 import httpx
@@ -317,6 +318,31 @@ def test_malformed_json_too_large_body_and_unknown_routes(http_cluster):
         assert r.status_code == 405 and "error" in r.json()
         r = h.get(f"{base}/nothing")
         assert r.status_code == 404 and "error" in r.json()
+
+
+def test_the_servers_connections_send_without_waiting_for_acks(http_cluster):
+    """Nagle's algorithm is off (TCP_NODELAY) on the server's side of a connection: with it on,
+    an answer's body (or a streamed token) waits on the client's delayed ACK of what went
+    before, some 40 ms an answer."""
+    host, port = http_cluster.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b"max_model_len" not in answer:
+            answer += sock.recv(65536)
+
+        async def nodelay() -> list[int]:  # the connections uvicorn holds open (this one)
+            connections = http_cluster.gateway.http._server.server_state.connections
+            return [
+                c.transport.get_extra_info("socket").getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY
+                )
+                for c in connections
+            ]
+
+        flags = http_cluster.loop.run(nodelay())
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert flags and all(flags), flags
 
 
 def test_models_lists_the_served_model(http_cluster, oai):
