@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 
 import grpc
@@ -336,9 +337,12 @@ def test_http_bodies_over_the_limit_are_413_however_sent(fuzzed, http):
             b"Content-Length: 99999999999\r\n\r\n{}"
         )
         answer = b""
-        while chunk := sock.recv(65536):  # the server closes the connection after its answer
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)[1])
+        while len(body) < length:
+            body += sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 413 ")
     assert json.loads(body)["error"]["code"] == "request_too_large"
     assert_still_serving(fuzzed)
