@@ -190,25 +190,53 @@ def _headers(content_type: str | None) -> dict[str, str]:
 # ---- HTTP ----
 
 
+@st.composite
+def near_valid(draw) -> tuple[str, dict]:
+    """A valid request to either endpoint (options at random), up to two of its fields given any
+    JSON value instead."""
+    chat = draw(st.booleans())
+    body = draw(_valid_sampling(chat))
+    if chat:
+        body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=20))}]
+    else:
+        body["prompt"] = draw(st.text(min_size=1, max_size=20))
+    body["max_tokens"] = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=2, unique=True)):
+        max_tokens = name in ("max_tokens", "max_completion_tokens")
+        body[name] = draw(max_tokens_value | not_int if max_tokens else json_value)
+    return ("/chat/completions" if chat else "/completions"), body
+
+
+endpoints = st.sampled_from(["/completions", "/chat/completions"])
+
+
 @FUZZ
 @given(
-    endpoint=st.sampled_from(["/completions", "/chat/completions"]),
-    body=json_value | junk_body(),
+    case=st.tuples(endpoints, json_value | junk_body()) | near_valid(),
     content_type=st.sampled_from(CONTENT_TYPES),
 )
-def test_http_any_json_body_is_served_or_refused_with_a_4xx(
-    fuzzed, http, endpoint, body, content_type
-):
+def test_http_any_json_body_is_served_or_refused_with_a_4xx(fuzzed, http, case, content_type):
+    endpoint, body = case
     raw = json.dumps(body).encode()  # NaN, Infinity, \ud800 escapes: Python's JSON writes them
     r = http.post(endpoint, content=raw, headers=_headers(content_type))
     event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many were served
-    if r.status_code == 200:  # a request that happens to be valid: served
-        if r.headers["content-type"].startswith("text/event-stream"):
-            assert r.text.endswith("data: [DONE]\n\n")
-        else:
-            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    else:
+    if r.status_code != 200:
         _is_error(r)
+        return
+    # a request that happens to be valid: served, to the end
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c]
+        finish = [ch["finish_reason"] for c in chunks for ch in c["choices"]]
+        assert finish[-1] in ("stop", "length")
+    else:
+        answer = r.json()
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert 1 <= answer["usage"]["completion_tokens"] <= 4
 
 
 @FUZZ
@@ -361,10 +389,15 @@ text = st.text(max_size=40) | st.just("x" * (MAX_STOP_CHARS + 1))
 
 @st.composite
 def grpc_requests(draw) -> generation_pb2.GenerateRequest:
-    """Random values of every field, within what the wire format holds."""
+    """Random values of every field, within what the wire format holds: each field often one
+    in range, so that many requests are served, with many combinations of options."""
     req = generation_pb2.GenerateRequest(
-        model=draw(st.sampled_from(["", "tiny-llama"]) | st.text(max_size=10)),
-        request_id=draw(st.just("") | st.text(max_size=MAX_REQUEST_ID_CHARS + 10)),
+        model=draw(st.sampled_from(["", "", "tiny-llama", "gpt-4"])),
+        request_id=draw(
+            st.just("")
+            | st.text("abc-0", max_size=10)
+            | st.text(max_size=MAX_REQUEST_ID_CHARS + 10)
+        ),
     )
     prompt = draw(st.sampled_from(["text", "token_ids", "chat", None]))
     if prompt == "text":
@@ -385,16 +418,16 @@ def grpc_requests(draw) -> generation_pb2.GenerateRequest:
         max_tokens = st.integers(0, 4) | st.integers(CONTEXT, 2**32 - 1)
         optional = {
             "max_tokens": max_tokens,
-            "temperature": float32,
-            "top_p": float32,
+            "temperature": st.sampled_from([0.0, 0.7]) | st.floats(0, 2, width=32) | float32,
+            "top_p": st.floats(0, 1, exclude_min=True, width=32) | float32,
             "seed": st.integers(-(2**63), 2**63 - 1),
             "logprobs": st.integers(0, MAX_LOGPROBS + 2) | uint32,
         }
         for name, values in optional.items():
             if draw(st.booleans()):
                 setattr(s, name, draw(values))
-        s.top_k = draw(st.just(0) | uint32)
-        s.stop.extend(draw(st.lists(text, max_size=MAX_STOP + 2)))
+        s.top_k = draw(st.just(0) | st.integers(0, 100) | uint32)
+        s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3) | st.lists(text)))
         many = st.integers(0, MAX_STOP_TOKEN_IDS + 5).map(lambda n: [7] * n)
         s.stop_token_ids.extend(draw(st.lists(uint32, max_size=5) | many))
         s.ignore_eos = draw(st.booleans())
