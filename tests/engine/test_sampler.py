@@ -61,6 +61,15 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert lps[0].top[1][1] == pytest.approx(ref[1].item())
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45])
+def test_a_tiny_temperature_picks_the_best_token(temperature):
+    """Not NaN's token 0: dividing the raw logits by it would overflow them to inf."""
+    logits = torch.tensor([[1.0, 5.0, 3.0, 0.5], [2.0, -1.0, 9.0, 9.5]])
+    rows = [row(temperature=temperature, seed=s) for s in (0, 1)]
+    tokens, _ = sample(logits, rows)
+    assert tokens == [1, 3]
+
+
 @pytest.mark.parametrize(
     "kw, msg",
     [
