@@ -1,5 +1,9 @@
 """What a prompt must satisfy wherever it arrives (the gateway, a worker's engine, the offline
-API): one check, so that every entry point refuses the same prompts with the same messages."""
+API): one check, so that every entry point refuses the same prompts with the same messages; and
+what a client's own request id must be (both of the gateway's APIs).
+
+The sampling parameters' limits are SamplingParams' (pdserve/sampling_params.py); a chat's, the
+gateway's Prompt's (services/gateway/prompt.py)."""
 
 from __future__ import annotations
 
