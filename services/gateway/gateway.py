@@ -39,7 +39,7 @@ from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
 from pdserve.v1.convert import logprobs_from_proto, sampling_to_proto
-from pdserve.validation import validate_prompt
+from pdserve.validation import validate_prompt, validate_request_id
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -112,7 +112,13 @@ class Gateway:
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
         """Start accounting for a request (its span continues a traceparent in ``metadata``);
-        ``with`` it, it ends with the status the client gets."""
+        ``with`` it, it ends with the status the client gets. The request goes by
+        ``request_id``, or by an id made here when that is empty or one ``check_request_id``
+        refuses (logs and spans do not carry what a client may not send)."""
+        try:
+            validate_request_id(request_id)
+        except ValueError:
+            request_id = ""
         return GatewayRequest(
             request_id or f"gw-{next(self._ids)}",
             telemetry.from_metadata(metadata),
@@ -127,8 +133,13 @@ class Gateway:
         if model and model != self.model_name:
             raise GatewayError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; available: {self.model_name!r}",
+                f"model {model!r:.80} is not served here; available: {self.model_name!r}",
             )
+
+    def check_request_id(self, request_id: str, name: str = "request_id") -> None:
+        """ValueError (INVALID_ARGUMENT) unless ``request_id`` is one a client may send (``name``:
+        what its API calls it): both APIs call it ``with`` the request ``open`` gave them."""
+        validate_request_id(request_id, name)
 
     async def generate(
         self,

@@ -88,9 +88,22 @@ async def _read_json(request: Request) -> Any:
             raise _TooLarge()
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise api.RequestError(f"the request body is not valid JSON: {e}"[:300]) from None
+    # JSON's \u escapes may spell half a surrogate pair, which no UTF-8 text holds: the tokenizer
+    # and the gRPC messages to the workers would fail on it
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end]
+        raise api.RequestError(
+            f"the request body has a string that is not valid Unicode ({bad!r}, half a surrogate "
+            "pair); every string must be UTF-8 text"
+        ) from None
+    except RecursionError:
+        raise api.RequestError("the request body is nested too deeply") from None
+    return body
 
 
 class _TooLarge(Exception):
@@ -216,6 +229,7 @@ class OpenAIApp:
         which ends with the status the client gets (CANCELLED when it went away)."""
         gw = self.gateway
         with gw.open(request_id, list(request.headers.items()), r.stream) as req:
+            gw.check_request_id(request_id, "the X-Request-Id header")
             deltas = gw.generate(req, r.prompt, r.params, None, caller)
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
@@ -330,6 +344,25 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0 picks a port).
+
+    Made with proto IPPROTO_TCP, not the 0 of ``socket.create_server``: asyncio disables Nagle's
+    algorithm (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP, and with Nagle on
+    a response's body waits on the client's delayed ACK of its head, some 40 ms an answer (and a
+    streamed token)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server does
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class OpenAIServer:
     """The HTTP API serving in the running event loop: ``await start()``, ``await stop()``;
     HTTPS with ``tls`` (its certificate and key; clients need no certificate)."""
@@ -352,8 +385,7 @@ class OpenAIServer:
 
     async def start(self) -> None:
         """Bind (OSError when the port is taken) and serve."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._sock = sock = socket.create_server((self.host, self.requested_port), family=family)
+        self._sock = sock = _listen(self.host, self.requested_port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app.app,

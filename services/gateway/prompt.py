@@ -13,6 +13,8 @@ import jinja2
 
 from pdserve.tokenizer import Tokenizer
 
+MAX_MESSAGES = 4096  # messages in a chat
+
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -27,6 +29,12 @@ class Prompt:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     chat: tuple[ChatMessage, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat is not None and len(self.chat) > MAX_MESSAGES:
+            raise ValueError(
+                f"chat has {len(self.chat)} messages; at most {MAX_MESSAGES} are allowed"
+            )
 
 
 def encode(prompt: Prompt, tokenizer: Tokenizer) -> tuple[list[int], str | None]:
