@@ -30,6 +30,7 @@ class GatewayRequest:
         stream: bool,
     ) -> None:
         self.request_id = request_id
+        self.worker_request_id = request_id  # what the workers know it by (Gateway.open)
         self.metrics = metrics
         self.policy = policy
         self.span = telemetry.start_span(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -26,7 +27,7 @@ from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.gateway.prompt import Prompt, encode
+from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
 from pdserve.services.gateway.router import Router
 
@@ -97,8 +98,15 @@ class Gateway:
         self.keys = keys or KeyStore({})  # none: open to every caller
         self.limiter = Limiter(self.metrics)
         self._ids = itertools.count()
+        self._instance = secrets.token_hex(3)  # this gateway's, in the ids it makes
+        self._max_chars = max_prompt_chars(tokenizer, max_model_len)
         # closed while the gateway drains: new requests get UNAVAILABLE, running ones finish
         self.gate = Gate("the gateway is draining (shutting down)")
+
+    async def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """The prompt's token ids and text (``prompt.encode``): a text too long for the context in
+        any tokenization is refused before it is tokenized, a long one is tokenized off the loop."""
+        return await encode_async(prompt, self.tokenizer, self._max_chars)
 
     def authenticate(self, authorization: str | None) -> ApiKey | None:
         """The caller's key from an ``authorization`` header value (``Bearer <key>``), None when
@@ -119,14 +127,21 @@ class Gateway:
             validate_request_id(request_id)
         except ValueError:
             request_id = ""
-        return GatewayRequest(
-            request_id or f"gw-{next(self._ids)}",
+        n = next(self._ids)
+        req = GatewayRequest(
+            request_id or f"gw-{self._instance}-{n}",
             telemetry.from_metadata(metadata),
             self.metrics,
             self.model_name,
             self.router.policy,
             stream,
         )
+        # Ids on the workers must be unique: a client's id may repeat, and other gateways send
+        # to the same workers. Tries append ".<attempt>".
+        req.worker_request_id = (
+            req.request_id if not request_id else f"{request_id}@{self._instance}-{n}"
+        )
+        return req
 
     def check_model(self, model: str) -> None:
         """NOT_FOUND unless ``model`` is empty (the served one) or the one served here."""
@@ -157,7 +172,7 @@ class Gateway:
         if caller is None:
             self.authenticate(None)  # refuses unless the gateway is open
         with self.gate.enter():
-            ids, prompt_text = encode(prompt, self.tokenizer)
+            ids, prompt_text = await self.encode(prompt)
             req.prepared(ids, params.max_tokens, prompt_text)
             validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
             text = TextStream(self.tokenizer, ids, params.stop)
@@ -282,7 +297,7 @@ class Gateway:
     def _pick(self, req: GatewayRequest, attempt: int, ids, params, timeout, exclude: set[str]):
         """The token stream of the next pair to try, or None when no worker is left."""
         # Each try has its own id on the workers: a cancelled try may still be winding down there.
-        rid = f"{req.request_id}.{attempt}"
+        rid = f"{req.worker_request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
         decode = self.router.pick(self.registry.alive("decode"), exclude) if prefill else None

@@ -26,7 +26,6 @@ from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway import openai_api as api
 from pdserve.services.gateway.auth import ApiKey
 from pdserve.services.gateway.gateway import Delta, Gateway
-from pdserve.services.gateway.prompt import encode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -77,7 +76,16 @@ class _ClientGone(Exception):
     pass
 
 
+def json_content_type(value: str | None) -> bool:
+    """A body the API reads: declared JSON, or not declared. Anything else (a form, text/plain)
+    is what a web page can make a browser send to another site without asking first: refusing it
+    keeps pages from using a visitor's network position against a gateway without keys."""
+    return value is None or value.split(";")[0].strip().lower() == "application/json"
+
+
 async def _read_json(request: Request) -> Any:
+    if not json_content_type(request.headers.get("content-type")):
+        raise _UnsupportedMediaType()
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > api.MAX_BODY_BYTES:
         raise _TooLarge()
@@ -104,6 +112,10 @@ async def _read_json(request: Request) -> Any:
     except RecursionError:
         raise api.RequestError("the request body is nested too deeply") from None
     return body
+
+
+class _UnsupportedMediaType(Exception):
+    pass
 
 
 class _TooLarge(Exception):
@@ -179,7 +191,7 @@ class OpenAIApp:
             if chat:
                 r = api.parse_chat(body, default_max_tokens=1)
                 if not r.max_tokens_given:  # the rest of the context, as OpenAI does
-                    ids, _ = encode(r.prompt, gw.tokenizer)
+                    ids, _ = await gw.encode(r.prompt)
                     rest = max(gw.max_model_len - len(ids), 1)
                     r = dataclasses.replace(
                         r, params=dataclasses.replace(r.params, max_tokens=rest)
@@ -187,6 +199,16 @@ class OpenAIApp:
             else:
                 r = api.parse_completion(body)
             gw.check_model(r.model)
+        except _UnsupportedMediaType:
+            return JSONResponse(
+                api.error_body(
+                    "the request body must be JSON, with Content-Type: application/json",
+                    "invalid_request_error",
+                    None,
+                    "unsupported_media_type",
+                ),
+                415,
+            )
         except _TooLarge:
             return JSONResponse(
                 api.error_body(

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from pdserve.services.gateway.openai_http import json_content_type
 from pdserve.services.gateway.prompt import MAX_MESSAGES
 
 from pdserve import LLM, Client, SamplingParams
@@ -222,6 +223,9 @@ def test_http_any_json_body_is_served_or_refused_with_a_4xx(fuzzed, http, case, 
     raw = json.dumps(body).encode()  # NaN, Infinity, \ud800 escapes: Python's JSON writes them
     r = http.post(endpoint, content=raw, headers=_headers(content_type))
     event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many were served
+    if not json_content_type(content_type):
+        assert r.status_code == 415 and _is_error(r)["code"] == "unsupported_media_type"
+        return
     if r.status_code != 200:
         _is_error(r)
         return
@@ -257,8 +261,10 @@ def test_http_any_json_body_is_served_or_refused_with_a_4xx(fuzzed, http, case, 
     content_type=st.sampled_from(CONTENT_TYPES),
 )
 def test_http_bytes_that_are_no_request_are_400(fuzzed, http, endpoint, raw, content_type):
-    err = _is_error(http.post(endpoint, content=raw, headers=_headers(content_type)))
+    r = http.post(endpoint, content=raw, headers=_headers(content_type))
+    err = _is_error(r)
     assert err["type"] == "invalid_request_error"
+    assert r.status_code == (400 if json_content_type(content_type) else 415)
 
 
 TINY = 2.0**-20  # below 0 by this much at least (an excluded 0 may still give -0.0)

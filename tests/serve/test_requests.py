@@ -216,6 +216,19 @@ def _complete(gateway: str, **kw) -> generation_pb2.CompleteResponse:
             "chat has 4097 messages; at most 4096 are allowed",
         ),
         (dict(text="hi", model="m" * 100_000), grpc.StatusCode.NOT_FOUND, "is not served here"),
+        # more characters than 4096 tokens can stand for: refused before it is tokenized
+        (
+            dict(text="x" * (4096 * 81 + 1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt has 331777 characters: more than the model's context can hold in any "
+            "tokenization (at most 331776: no token stands for more than 81 characters)",
+        ),
+        # long enough to be tokenized off the event loop, then too long for the context
+        (
+            dict(text="word " * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt has 5001 tokens and max_tokens is 16: 5017 exceeds",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
@@ -237,3 +250,27 @@ def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
 def test_list_models(shared_cluster):
     with Client(shared_cluster.address) as client:
         assert client.list_models() == ["tiny-llama"]
+
+
+def test_two_requests_with_the_same_client_id_at_once_are_both_served(shared_cluster):
+    """The workers know each try by an id made unique per gateway and request."""
+    c = shared_cluster
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Client(c.address, timeout=60) as client:
+        want = client.complete([5, 6, 7], params).token_ids
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(
+                pool.map(
+                    lambda _: _complete(
+                        c.address,
+                        token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
+                        request_id="same-id",
+                        sampling=common_pb2.SamplingParams(
+                            max_tokens=24, temperature=0, ignore_eos=True
+                        ),
+                    ),
+                    range(2),
+                )
+            )
+    assert [list(g.token_ids) for g in got] == [list(want)] * 2
+    assert_no_leaks(c.live())
