@@ -40,6 +40,10 @@ def gateway_config(args) -> GatewayConfig:
         max_attempts=args.max_attempts,
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
+        probe_interval_s=args.probe_interval,
+        suspect_after_s=args.suspect_after,
+        probe_timeout_s=args.probe_timeout,
+        real_probe_timeout_s=args.real_probe_timeout,
     )
 
 
@@ -199,6 +203,33 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         type=float,
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
+    )
+    hang = gw.add_argument_group(
+        "hang detection", "evict a worker that stops progressing (services/gateway/watchdog.py)"
+    )
+    hang.add_argument(
+        "--probe-interval",
+        type=float,
+        default=GatewayConfig.probe_interval_s,
+        help="seconds between probes of each worker (0: no hang detection)",
+    )
+    hang.add_argument(
+        "--suspect-after",
+        type=float,
+        default=GatewayConfig.suspect_after_s,
+        help="seconds without a message from a worker running requests before it is probed",
+    )
+    hang.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=GatewayConfig.probe_timeout_s,
+        help="seconds the fast probe (Stats) may take",
+    )
+    hang.add_argument(
+        "--real-probe-timeout",
+        type=float,
+        default=GatewayConfig.real_probe_timeout_s,
+        help="seconds the real probe (a 1-token generation) may take",
     )
     gw.add_argument(
         "--api-keys",

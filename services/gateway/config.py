@@ -15,7 +15,14 @@ class GatewayConfig:
     prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a
     request without a deadline waits while every decode worker is full; ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
-    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open)."""
+    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
+
+    Hang detection (``watchdog.py``): every ``probe_interval_s`` each worker is probed (0 turns
+    the watchdog off); a worker with calls running and no message from it for
+    ``suspect_after_s`` is probed at once; the fast probe (Stats) gets ``probe_timeout_s``, the
+    real one (a 1-token generation) ``real_probe_timeout_s``; a worker that fails them without
+    progressing meanwhile is evicted. Worst case from the last progress to eviction:
+    suspect_after_s + 0.25 (the watch's tick) + probe_timeout_s + real_probe_timeout_s."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
@@ -24,9 +31,25 @@ class GatewayConfig:
     max_resumes: int = 3
     queue_timeout_s: float = 300.0
     api_keys_file: str | None = None
+    probe_interval_s: float = 2.0
+    suspect_after_s: float = 1.0
+    probe_timeout_s: float = 0.5
+    real_probe_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "kv_timeout_s", "queue_timeout_s"):
+        if not self.probe_interval_s >= 0:
+            raise ValueError(
+                f"probe_interval_s must be >= 0 seconds (0: no hang detection), "
+                f"got {self.probe_interval_s}"
+            )
+        for name in (
+            "lease_s",
+            "kv_timeout_s",
+            "queue_timeout_s",
+            "suspect_after_s",
+            "probe_timeout_s",
+            "real_probe_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:

@@ -301,7 +301,7 @@ class Gateway:
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
-        worker.calls.add(call)
+        worker.track(call)
         try:
             async for msg in _read(call, worker):
                 c = msg.tokens
@@ -331,7 +331,7 @@ class Gateway:
             timeout=timeout,
             metadata=md,
         )
-        decode.calls.add(call)
+        decode.track(call)
         prefill_done = False
         try:
             reader = _read(call, decode)
@@ -348,9 +348,10 @@ class Gateway:
                 timeout=timeout or self.config.kv_timeout_s,
                 metadata=md,
             )
-            prefill.calls.add(prefill_call)
+            prefill.track(prefill_call)
             try:
                 resp = await prefill_call
+                prefill.progressed()
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
                     prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
@@ -391,6 +392,7 @@ class _WorkerFailed(Exception):
 async def _read(call, worker: Worker):
     try:
         async for msg in call:
+            worker.progressed()
             yield msg
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(
