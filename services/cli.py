@@ -41,9 +41,11 @@ def gateway_config(args) -> GatewayConfig:
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
         probe_interval_s=args.probe_interval,
+        real_probe_interval_s=args.real_probe_interval,
         suspect_after_s=args.suspect_after,
         probe_timeout_s=args.probe_timeout,
         real_probe_timeout_s=args.real_probe_timeout,
+        engine_timeout_s=args.engine_timeout,
     )
 
 
@@ -211,7 +213,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "--probe-interval",
         type=float,
         default=GatewayConfig.probe_interval_s,
-        help="seconds between probes of each worker (0: no hang detection)",
+        help="seconds between fast probes (Stats) of each worker (0: no hang detection)",
+    )
+    hang.add_argument(
+        "--real-probe-interval",
+        type=float,
+        default=GatewayConfig.real_probe_interval_s,
+        help="seconds between real probes (a 1-token generation) of each decode/colocated worker",
     )
     hang.add_argument(
         "--suspect-after",
@@ -229,7 +237,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "--real-probe-timeout",
         type=float,
         default=GatewayConfig.real_probe_timeout_s,
-        help="seconds the real probe (a 1-token generation) may take",
+        help="seconds the real probe may take after a failed fast probe",
+    )
+    hang.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=GatewayConfig.engine_timeout_s,
+        help="seconds the real probe may take on a worker that answers Stats (longer than two "
+        "chunked-prefill steps)",
     )
     gw.add_argument(
         "--api-keys",

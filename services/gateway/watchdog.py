@@ -1,27 +1,28 @@
 """Hang detection: the gateway watches every registered worker and evicts one that stops
 progressing, so that its requests resume elsewhere (``gateway._route``'s mid-stream resume).
 
-Two signals, one decision:
-
 - **Progress.** ``Worker.last_progress`` is stamped by the gateway each time a message arrives
   from the worker (``gateway._read``, the Prefill call's answer). A worker with calls of the
   gateway running there (or outstanding tokens) and no message for ``suspect_after_s`` is
-  *suspect*, and probed at once.
-- **Black-box probes**, every ``probe_interval_s`` for each worker and at once when it is
-  suspect or on probation, escalating: the *fast* probe (the Stats RPC, ``probe_timeout_s``:
-  answers while the worker's event loop runs), then, on a decode or colocated worker, the
-  *real* probe (``Decode.Generate`` with ``prefill_locally``: a 2-token prompt, max_tokens=1,
-  request id ``probe-<n>``, ``real_probe_timeout_s``) which joins the engine's continuous batch
-  like any request, so it answers within a step or two on a busy worker and never on one whose
-  engine thread or process is stuck. A prefill worker has no real probe (Prefill needs a KV
-  destination): its fast probe decides, and a prefill worker whose engine thread alone is stuck
-  is left to its own stall watchdog (``--stall-timeout``, which deregisters it).
+  *suspect*: logged, and both its probes run at once (and again as soon as each ends).
+- **Fast probe**: the Stats RPC, every ``probe_interval_s``, ``probe_timeout_s``. It answers
+  while the worker's process and event loop run, whatever its engine is doing. When it fails,
+  a real probe given ``real_probe_timeout_s`` confirms, then the worker is evicted.
+- **Real probe** (decode and colocated workers): ``Decode.Generate`` with ``prefill_locally``,
+  a 2-token prompt, max_tokens=1, request id ``probe-<n>`` (workers do not count, log or trace
+  those), every ``real_probe_interval_s``, ``engine_timeout_s``. It joins the engine's
+  continuous batch like any request: it answers after a step or two on a busy worker, never on
+  one whose engine is stuck. A CPU step with a 1,024-token prefill chunk can take seconds, hence
+  the long deadline of this probe on a worker that answers Stats.
+- A prefill worker has no real probe (Prefill needs a KV destination on a decode worker): its
+  fast probe decides. A prefill worker whose engine alone is stuck is left to its own stall
+  watchdog (``--stall-timeout``: it deregisters), and its Prefill calls to their deadlines.
 
-A worker is evicted (``WorkerRegistry.evict``: not routed to, its calls cancelled) when its last
-probe failed and nothing arrived from it while the probes ran: a busy worker whose probe waits
-behind a long prefill still streams tokens, and is not evicted. An evicted worker rejoins when it
-registers again (its next heartbeat is answered "unknown", so it re-registers): it is then on
-probation, listed but not routed to, until one probe passes.
+A worker is evicted (``WorkerRegistry.evict``: not routed to, its calls cancelled, so its
+requests resume elsewhere) when a probe failed and nothing arrived from it while that probe ran:
+a busy worker whose probe waits behind long steps still streams tokens, and is not evicted. An
+evicted worker rejoins when it registers again (its next heartbeat is answered "unknown", so it
+re-registers): it is then on probation, listed but not routed to, until a probe passes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pdserve.metrics import GatewayMetrics
 from pdserve.v1 import common_pb2, worker_pb2
 
 PROBE_PROMPT = [1, 2]
-TICK_S = 0.25  # how often progress is looked at (at most)
+TICK_S = 0.25  # how often the watchdog looks (at most)
 
 
 class Watchdog:
@@ -54,9 +55,11 @@ class Watchdog:
         self.metrics = metrics
         self.log = telemetry.logger()
         self._ids = itertools.count()
-        self._probing: dict[Worker, asyncio.Task[None]] = {}
-        self._next_probe: dict[Worker, float] = {}
-        self._last_ok: dict[Worker, float] = {}  # when a probe last passed
+        # (worker, "fast" | "real") -> the probe running; at most one of each kind per worker
+        self._probing: dict[tuple[Worker, str], asyncio.Task[None]] = {}
+        self._due: dict[tuple[Worker, str], float] = {}  # when the next one is due
+        self._last_ok: dict[Worker, float] = {}  # when a probe of it last passed
+        self._suspect: set[Worker] = set()  # stalled now (logged once per stall)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -70,69 +73,103 @@ class Watchdog:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._probing.clear()
 
-    def stalled_for(self, w: Worker, now: float) -> float:
+    @staticmethod
+    def stalled_for(w: Worker, now: float) -> float:
         """Seconds since ``w`` last progressed while the gateway had work there; 0 when idle."""
         if not (w.calls or w.outstanding_tokens):
             return 0.0
         return now - w.last_progress
 
     async def _watch(self) -> None:
-        tick = min(TICK_S, self.config.suspect_after_s / 4)
+        cfg = self.config
+        tick = min(TICK_S, cfg.suspect_after_s / 4, cfg.probe_interval_s)
+        intervals = {"fast": cfg.probe_interval_s, "real": cfg.real_probe_interval_s}
         while True:
             now = time.monotonic()
             for w in list(self.registry.workers.values()):
-                if w in self._probing or not (w.registered or _static_evicted(w)):
+                if not (w.registered or _static_evicted(w)):
                     continue
-                stalled = w.registered and self.stalled_for(w, now) > self.config.suspect_after_s
-                if stalled or w.probation or now >= self._next_probe.get(w, 0.0):
-                    why = "stalled" if stalled else "probation" if w.probation else "interval"
-                    if stalled:
-                        self.log.warning(
-                            "worker.suspect",
-                            worker_id=w.worker_id,
-                            address=w.address,
-                            role=w.role,
-                            no_progress_s=round(now - w.last_progress, 3),
-                            calls=len(w.calls),
-                        )
-                    task = asyncio.create_task(self._probe(w, why))
-                    self._probing[w] = task
-                    task.add_done_callback(lambda _t, w=w: self._probing.pop(w, None))
+                stalled = w.registered and self.stalled_for(w, now) > cfg.suspect_after_s
+                if not stalled:
+                    self._suspect.discard(w)
+                elif w not in self._suspect:
+                    self._suspect.add(w)
+                    self.log.warning(
+                        "worker.suspect",
+                        worker_id=w.worker_id,
+                        address=w.address,
+                        role=w.role,
+                        no_progress_s=round(now - w.last_progress, 3),
+                        calls=len(w.calls),
+                    )
+                for kind in ("fast", "real") if w.role != "prefill" else ("fast",):
+                    key = (w, kind)
+                    if key in self._probing:
+                        continue
+                    if stalled or now >= self._due.get(key, 0.0):
+                        self._due[key] = now + intervals[kind]
+                        probe = self._fast_lane if kind == "fast" else self._real_lane
+                        task = asyncio.create_task(probe(w, "stalled" if stalled else "interval"))
+                        self._probing[key] = task
+                        task.add_done_callback(lambda _t, key=key: self._probing.pop(key, None))
             await asyncio.sleep(tick)
 
-    async def _probe(self, w: Worker, why: str) -> None:
+    async def _fast_lane(self, w: Worker, why: str) -> None:
+        """Stats; when it fails (the process does not answer), a real probe with the short
+        deadline confirms before the eviction."""
         started = time.monotonic()
-        kind, result = "fast", await self._fast(w)
-        if w.role != "prefill":
-            kind, result = "real", await self._real(w)
-        now = time.monotonic()
-        self._next_probe[w] = now + self.config.probe_interval_s
+        result = await self._fast(w)
         if result == "ok":
-            self._last_ok[w] = now
-            if _static_evicted(w):  # a statically listed worker cannot register again
-                w.evicted, w.probation = None, True
-            if w.probation and w.registered:
-                self.registry.rejoined(w)
-                self.metrics.rejoins.inc()
-                self.log.info("worker.rejoined", worker_id=w.worker_id, address=w.address)
+            if w.role == "prefill":  # nothing else to try on a prefill worker
+                self._passed(w)
             return
+        if w.role == "prefill":
+            self._failed(w, "fast", result, started, why)
+            return
+        result = await self._real(w, self.config.real_probe_timeout_s)
+        if result == "ok":
+            self._passed(w)
+        else:
+            self._failed(w, "real", result, started, why)
+
+    async def _real_lane(self, w: Worker, why: str) -> None:
+        """A 1-token generation, given ``engine_timeout_s``: the process answers, so its engine
+        gets long enough for a step or two however long they take."""
+        started = time.monotonic()
+        result = await self._real(w, self.config.engine_timeout_s)
+        if result == "ok":
+            self._passed(w)
+        else:
+            self._failed(w, "real", result, started, why)
+
+    def _passed(self, w: Worker) -> None:
+        self._last_ok[w] = time.monotonic()
+        if _static_evicted(w):  # a statically listed worker cannot register again
+            w.evicted, w.probation = None, True
+        if w.probation and w.registered:
+            self.registry.rejoined(w)
+            self.metrics.rejoins.inc()
+            self.log.info("worker.rejoined", worker_id=w.worker_id, address=w.address)
+
+    def _failed(self, w: Worker, kind: str, result: str, started: float, why: str) -> None:
         if w.probation or not w.registered:
             return  # not routed to anyway (it deregistered, drains, or has not passed a probe)
         if w.last_progress > started:
-            # Tokens arrived while its probe waited: busy, not hung (a long prefill ahead of it).
+            # Tokens arrived while its probe waited: busy, not hung.
             self.log.info(
                 "worker.probe_slow", worker_id=w.worker_id, kind=kind, result=result, why=why
             )
             return
+        now = time.monotonic()
         busy = bool(w.calls or w.outstanding_tokens)
         reason = "stalled" if busy else "unresponsive"
-        last_alive = max(w.last_progress, self._last_ok.get(w, 0.0))
-        detection = now - last_alive
+        detection = now - max(w.last_progress, self._last_ok.get(w, 0.0))
         message = (
             f"no progress for {now - w.last_progress:.1f} s and its {kind} probe: {result}"
             if busy
             else f"its {kind} probe: {result}"
         )
+        calls = len(w.calls)
         self.registry.evict(w, message)
         self.metrics.evictions.labels(reason).inc()
         self.metrics.hang_detection.observe(detection)
@@ -144,7 +181,7 @@ class Watchdog:
             reason=reason,
             detail=message,
             detection_s=round(detection, 3),
-            calls_cancelled=len(w.calls),
+            calls_cancelled=calls,
         )
 
     async def _fast(self, w: Worker) -> str:
@@ -156,14 +193,14 @@ class Watchdog:
         self.metrics.probes.labels("fast", result).inc()
         return result
 
-    async def _real(self, w: Worker) -> str:
+    async def _real(self, w: Worker, timeout: float) -> str:
         req = worker_pb2.DecodeRequest(
             request_id=f"{PROBE_PREFIX}{next(self._ids)}",
             prompt_token_ids=PROBE_PROMPT,
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
             prefill_locally=True,
         )
-        call = w.stub.Generate(req, timeout=self.config.real_probe_timeout_s)
+        call = w.stub.Generate(req, timeout=timeout)
         result = "error"
         try:
             async for msg in call:
