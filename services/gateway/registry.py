@@ -28,6 +28,7 @@ class Worker:
     evicted: str | None = None  # why it was evicted, until it registers again
     # registered again after an eviction: not routed to until a probe passes (gateway/watchdog.py)
     probation: bool = False
+    deregistered: bool = False  # it left (draining, unhealthy engine) until it registers again
     # time.monotonic() of the last message the gateway read from it (watchdog.py's progress watch)
     last_progress: float = field(default_factory=time.monotonic)
 
@@ -109,6 +110,7 @@ class WorkerRegistry:
             if old.evicted is not None and self.probation_on_rejoin:
                 old.probation = True
             old.evicted = None
+            old.deregistered = False
             old.lease_expires = time.monotonic() + self.lease_s
             self._changed()
             return old
@@ -134,6 +136,7 @@ class WorkerRegistry:
             return False
         w.static = False
         w.lease_expires = 0.0
+        w.deregistered = True
         self._changed()
         return True
 
@@ -147,8 +150,10 @@ class WorkerRegistry:
         self._changed()
 
     def rejoined(self, worker: Worker) -> None:
-        """A worker on probation passed a probe: routed to again."""
+        """A worker on probation passed a probe: routed to again, its failures forgotten (they
+        led to its eviction; least_loaded would otherwise pass it over while another is idle)."""
         worker.probation = False
+        worker.failures = 0
         self._changed()
 
     def heartbeat(self, worker_id: str) -> bool:

@@ -87,9 +87,9 @@ class Watchdog:
         while True:
             now = time.monotonic()
             for w in list(self.registry.workers.values()):
-                if not (w.registered or _static_evicted(w)):
+                if not (_watched(w) or _static_evicted(w)):
                     continue
-                stalled = w.registered and self.stalled_for(w, now) > cfg.suspect_after_s
+                stalled = _watched(w) and self.stalled_for(w, now) > cfg.suspect_after_s
                 if not stalled:
                     self._suspect.discard(w)
                 elif w not in self._suspect:
@@ -152,8 +152,8 @@ class Watchdog:
             self.log.info("worker.rejoined", worker_id=w.worker_id, address=w.address)
 
     def _failed(self, w: Worker, kind: str, result: str, started: float, why: str) -> None:
-        if w.probation or not w.registered:
-            return  # not routed to anyway (it deregistered, drains, or has not passed a probe)
+        if w.probation or not _watched(w):
+            return  # not routed to (it left, drains, or has not passed a probe) or evicted
         if w.last_progress > started:
             # Tokens arrived while its probe waited: busy, not hung.
             self.log.info(
@@ -217,6 +217,12 @@ class Watchdog:
 
 def _result(e: grpc.aio.AioRpcError) -> str:
     return "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+
+
+def _watched(w: Worker) -> bool:
+    """Not evicted and has not left: registered, or its lease ran out (it stopped heartbeating,
+    perhaps while the gateway's calls still run there)."""
+    return w.evicted is None and not w.deregistered
 
 
 def _static_evicted(w: Worker) -> bool:
