@@ -4,7 +4,8 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
 - **Progress.** ``Worker.last_progress`` is stamped by the gateway each time a message arrives
   from the worker (``gateway._read``, the Prefill call's answer). A worker with calls of the
   gateway running there (or outstanding tokens) and no message for ``suspect_after_s`` is
-  *suspect*: logged, and both its probes run at once (and again as soon as each ends).
+  *suspect*: logged, and both its probes run at once (and again each suspect_after_s while
+  it stays suspect, each kind one at a time).
 - **Fast probe**: the Stats RPC, every ``probe_interval_s``, ``probe_timeout_s``. It answers
   while the worker's process and event loop run, whatever its engine is doing. When it fails,
   a real probe given ``real_probe_timeout_s`` confirms, then the worker is evicted.
@@ -58,6 +59,7 @@ class Watchdog:
         # (worker, "fast" | "real") -> the probe running; at most one of each kind per worker
         self._probing: dict[tuple[Worker, str], asyncio.Task[None]] = {}
         self._due: dict[tuple[Worker, str], float] = {}  # when the next one is due
+        self._started: dict[tuple[Worker, str], float] = {}  # when the last one started
         self._last_ok: dict[Worker, float] = {}  # when a probe of it last passed
         self._suspect: set[Worker] = set()  # stalled now (logged once per stall)
         self._task: asyncio.Task[None] | None = None
@@ -106,8 +108,11 @@ class Watchdog:
                     key = (w, kind)
                     if key in self._probing:
                         continue
-                    if stalled or now >= self._due.get(key, 0.0):
+                    # stalled: at once, and then at most once per suspect_after_s
+                    again = now - self._started.get(key, -cfg.suspect_after_s)
+                    if (stalled and again >= cfg.suspect_after_s) or now >= self._due.get(key, 0):
                         self._due[key] = now + intervals[kind]
+                        self._started[key] = now
                         probe = self._fast_lane if kind == "fast" else self._real_lane
                         task = asyncio.create_task(probe(w, "stalled" if stalled else "interval"))
                         self._probing[key] = task

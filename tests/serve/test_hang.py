@@ -125,6 +125,21 @@ def test_an_idle_worker_that_stops_answering_is_evicted_and_its_replacement_regi
     assert_no_leaks(c.live())
 
 
+def test_a_prefill_worker_that_stops_answering_is_evicted_on_its_fast_probe(cluster):
+    c = cluster(prefill=2, decode=1, watchdog={"probe_interval_s": 0.5})
+    gone = _listed(c, "prefill-0")
+    c.stop_worker("prefill-0")
+    wait_until(lambda: gone.evicted, 5, "the eviction")
+    assert gone.evicted == "its fast probe: error"  # Stats is all a prefill worker is asked
+    assert c.gateway_metric("pdserve_probes_total", kind="fast", result="error") >= 1
+    assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+    with Client(c.address, timeout=30) as client:
+        for i in range(4):
+            assert client.complete([1, 2, 3 + i], SHORT).finish_reason == "length"
+    assert c.gateway_metric("pdserve_retries_total") == 0  # never routed to once evicted
+    assert_no_leaks(c.live())
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
