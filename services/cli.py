@@ -38,6 +38,7 @@ def gateway_config(args) -> GatewayConfig:
         lease_s=args.lease,
         kv_timeout_s=args.kv_timeout,
         max_attempts=args.max_attempts,
+        max_resumes=args.max_resumes,
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
         probe_interval_s=args.probe_interval,
@@ -199,6 +200,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         type=int,
         default=GatewayConfig.max_attempts,
         help="worker pairs a request tries before its first token",
+    )
+    gw.add_argument(
+        "--max-resumes",
+        type=int,
+        default=GatewayConfig.max_resumes,
+        help="times a request whose worker fails after tokens were streamed is continued on "
+        "another worker",
     )
     gw.add_argument(
         "--queue-timeout",

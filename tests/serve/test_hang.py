@@ -44,7 +44,8 @@ def _stream_all(address: str, prompts, params, started: threading.Barrier | None
 def test_a_decode_worker_whose_engine_hangs_is_evicted_and_its_streams_resume(cluster):
     # The defaults, but 2 s for the real probe of a worker that answers Stats (20 s by default:
     # a CPU step can take seconds), so a hang of the engine alone is also evicted within 5 s.
-    c = cluster(prefill=1, decode=2, watchdog={"engine_timeout_s": 2.0})
+    # lease 3 s: heartbeats every second, so it registers again soon after it moves
+    c = cluster(prefill=1, decode=2, watchdog={"engine_timeout_s": 2.0}, lease_s=3.0)
     want = _stream_all(c.address, PROMPTS, LONG)  # undisturbed
     hung = _listed(c, "decode-0")
     started = threading.Barrier(len(PROMPTS) + 1)
