@@ -113,11 +113,22 @@ class Watchdog:
                     if (stalled and again >= cfg.suspect_after_s) or now >= self._due.get(key, 0):
                         self._due[key] = now + intervals[kind]
                         self._started[key] = now
-                        probe = self._fast_lane if kind == "fast" else self._real_lane
-                        task = asyncio.create_task(probe(w, "stalled" if stalled else "interval"))
+                        lane = self._fast_lane if kind == "fast" else self._real_lane
+                        why = "stalled" if stalled else "interval"
+                        task = asyncio.create_task(self._guarded(lane(w, why), w, kind))
                         self._probing[key] = task
                         task.add_done_callback(lambda _t, key=key: self._probing.pop(key, None))
             await asyncio.sleep(tick)
+
+    async def _guarded(self, lane, w: Worker, kind: str) -> None:
+        """A probe lane whose unexpected error is logged, not left in the task (and never
+        taken for the worker's failure)."""
+        try:
+            await lane
+        except Exception as e:
+            self.log.error(
+                "watchdog.error", worker_id=w.worker_id, kind=kind, error=f"{type(e).__name__}: {e}"
+            )
 
     async def _fast_lane(self, w: Worker, why: str) -> None:
         """Stats; when it fails (the process does not answer), a real probe with the short
