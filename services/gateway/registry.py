@@ -107,6 +107,10 @@ class WorkerRegistry:
             )
         old = self.workers.get(worker_id)
         if old is not None and old.address == address and old.role == role:
+            if old.evicted is not None and old.calls:
+                # The calls evict() cancelled are still unwinding, and must see it evicted to
+                # resume elsewhere: it stays evicted, and its next heartbeat registers it again.
+                return old
             if old.evicted is not None and self.probation_on_rejoin:
                 old.probation = True
             old.evicted = None
