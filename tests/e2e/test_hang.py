@@ -113,8 +113,9 @@ def test_a_stopped_decode_worker_is_evicted_its_streams_resume_and_it_rejoins(cl
     assert _metric(gw, "pdserve_hang_detection_seconds_sum") <= BOUND_S
     assert _metric(gw, "pdserve_resumes_total") == running[victim]
     assert _metric(gw, "pdserve_evictions_total", reason="unresponsive") == 0
-    # every stream went on within the bound (plus the resume's prefill) of the worker stopping
-    assert max(gap for _, gap in results) < BOUND_S + 2
+    # every stream went on within the bound of the worker stopping, plus the resume's prefill
+    # (4 prompts + their first tokens, fp32, on a shared 2-core CPU: well under 3 s)
+    assert max(gap for _, gap in results) < BOUND_S + 3
 
     # SIGCONT: it frees the requests the gateway cancelled, registers again, passes a probe.
     cfg = GatewayConfig()
