@@ -126,6 +126,34 @@ def test_an_idle_worker_that_stops_answering_is_evicted_and_its_replacement_regi
     assert_no_leaks(c.live())
 
 
+def test_a_hung_idle_worker_is_evicted_and_kept_on_probation_until_it_moves(cluster):
+    c = cluster(
+        prefill=0,
+        decode=0,
+        colocated=2,
+        watchdog={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5},
+        lease_s=1.5,  # heartbeats every 0.5 s: it registers again while still hung
+    )
+    hung = _listed(c, "colocated-0")
+    release, held = _pause(c, c.workers["colocated-0"])
+    try:
+        wait_until(lambda: hung.evicted, 5, "the eviction")
+        assert hung.evicted == "its real probe: timeout"  # Stats answers: its loop runs
+        assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+        wait_until(lambda: hung.probation, 5, "it to register again, on probation")
+        with Client(c.address, timeout=30) as client:  # not routed to while on probation
+            for i in range(4):
+                assert client.complete([1, 2, 3 + i], SHORT).finish_reason == "length"
+        assert c.served("colocated-0") == 0 and hung.probation and not hung.alive
+        assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+    finally:
+        release.set()
+    assert held.result(10) is True
+    wait_until(lambda: hung.alive, 5, "it to pass a probe and rejoin")
+    assert c.gateway_metric("pdserve_rejoins_total") == 1
+    assert_no_leaks(c.live())  # the probes it took while hung were freed
+
+
 def test_a_prefill_worker_that_stops_answering_is_evicted_on_its_fast_probe(cluster):
     c = cluster(prefill=2, decode=1, watchdog={"probe_interval_s": 0.5})
     gone = _listed(c, "prefill-0")
