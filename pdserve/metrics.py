@@ -96,6 +96,32 @@ class GatewayMetrics(_Metrics):
             "Requests continued on another worker after tokens were streamed (the worker failed)",
             registry=r,
         )
+        # the hang watchdog (services/gateway/watchdog.py)
+        self.probes = Counter(
+            "pdserve_probes",
+            "Probes of workers by the gateway, by kind (fast: Stats; real: a 1-token generation) "
+            "and result (ok, timeout, error)",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "pdserve_evictions",
+            "Workers evicted by the gateway, by reason (stalled: calls running, no progress; "
+            "unresponsive: idle, probes failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.hang_detection = Histogram(
+            "pdserve_hang_detection_seconds",
+            "From a worker's last progress (or its failed probe's start, when idle) to its eviction",
+            buckets=(0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20),
+            registry=r,
+        )
+        self.rejoins = Counter(
+            "pdserve_rejoins",
+            "Evicted workers routed to again: they registered again and passed a probe",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of requests served", registry=r
         )

@@ -38,11 +38,17 @@ def gateway_config(args) -> GatewayConfig:
         lease_s=args.lease,
         kv_timeout_s=args.kv_timeout,
         max_attempts=args.max_attempts,
+        max_resumes=args.max_resumes,
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
-        max_resumes=args.max_resumes,
         local_prefill_tokens=args.local_prefill_tokens,
         decode_prefill_budget_s=args.decode_prefill_budget,
+        probe_interval_s=args.probe_interval,
+        real_probe_interval_s=args.real_probe_interval,
+        suspect_after_s=args.suspect_after,
+        probe_timeout_s=args.probe_timeout,
+        real_probe_timeout_s=args.real_probe_timeout,
+        engine_timeout_s=args.engine_timeout,
     )
 
 
@@ -201,7 +207,8 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "--max-resumes",
         type=int,
         default=GatewayConfig.max_resumes,
-        help="times a request whose worker fails after tokens were streamed continues on another",
+        help="times a request whose worker fails after tokens were streamed is continued on "
+        "another worker",
     )
     gw.add_argument(
         "--local-prefill-tokens",
@@ -216,6 +223,46 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         type=float,
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
+    )
+    hang = gw.add_argument_group(
+        "hang detection", "evict a worker that stops progressing (services/gateway/watchdog.py)"
+    )
+    hang.add_argument(
+        "--probe-interval",
+        type=float,
+        default=GatewayConfig.probe_interval_s,
+        help="seconds between fast probes (Stats) of each worker (0: no hang detection)",
+    )
+    hang.add_argument(
+        "--real-probe-interval",
+        type=float,
+        default=GatewayConfig.real_probe_interval_s,
+        help="seconds between real probes (a 1-token generation) of each decode/colocated worker",
+    )
+    hang.add_argument(
+        "--suspect-after",
+        type=float,
+        default=GatewayConfig.suspect_after_s,
+        help="seconds without a message from a worker running requests before it is probed",
+    )
+    hang.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=GatewayConfig.probe_timeout_s,
+        help="seconds the fast probe (Stats) may take",
+    )
+    hang.add_argument(
+        "--real-probe-timeout",
+        type=float,
+        default=GatewayConfig.real_probe_timeout_s,
+        help="seconds the real probe may take after a failed fast probe",
+    )
+    hang.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=GatewayConfig.engine_timeout_s,
+        help="seconds the real probe may take on a worker that answers Stats (longer than two "
+        "chunked-prefill steps)",
     )
     gw.add_argument(
         "--api-keys",

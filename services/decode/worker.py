@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.services import lifecycle
+
 from pdserve import rpc, telemetry
 from pdserve.engine import AdmissionError, LLMEngine
 from pdserve.engine_loop import EngineLoop
@@ -94,6 +96,20 @@ class _Generation:
         self.metrics.request_ended("cancelled" if isinstance(error, str) else "error")
         self.log.warning("decode.end", completion_tokens=self.num_tokens, error=str(error))
         telemetry.end_span(self.span, error)
+
+
+class _Probe(_Generation):
+    """A gateway's liveness probe (request id ``probe-<n>``, see services/gateway/watchdog.py):
+    served like any request, but not counted, logged or traced as one."""
+
+    def __init__(self) -> None:
+        pass
+
+    def add(self, out: RequestOutput) -> None:
+        pass
+
+    def close(self, error: BaseException | str | None = None) -> None:
+        pass
 
 
 class DecodeWorker:
@@ -245,8 +261,16 @@ class DecodeWorker:
         """Colocated: prefill and decode here, no transfer."""
         q = self.loop.open_stream(request_id)
         finished = False
-        gen = _Generation(
-            self.metrics, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True
+        gen = (
+            _Probe()
+            if request_id.startswith(lifecycle.PROBE_PREFIX)
+            else _Generation(
+                self.metrics,
+                request_id,
+                parent,
+                prompt_tokens=len(prompt_ids),
+                prefill_locally=True,
+            )
         )
         error: BaseException | None = None
         try:

@@ -336,7 +336,7 @@ class Gateway:
         worker.local_prefill_tokens += len(ids)  # until its first token
         prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
-        worker.calls.add(call)
+        worker.track(call)
         try:
             async for msg in _read(call, worker):
                 if prefilling:
@@ -371,7 +371,7 @@ class Gateway:
             timeout=timeout,
             metadata=md,
         )
-        decode.calls.add(call)
+        decode.track(call)
         prefill_done = False
         try:
             reader = _read(call, decode)
@@ -388,11 +388,12 @@ class Gateway:
                 timeout=timeout or self.config.kv_timeout_s,
                 metadata=md,
             )
-            prefill.calls.add(prefill_call)
+            prefill.track(prefill_call)
             queued = prefill.outstanding_tokens - len(ids)
             began = time.perf_counter()
             try:
                 resp = await prefill_call
+                prefill.progressed()
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
@@ -434,6 +435,7 @@ class _WorkerFailed(Exception):
 async def _read(call, worker: Worker):
     try:
         async for msg in call:
+            worker.progressed()
             yield msg
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(
