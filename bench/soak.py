@@ -237,6 +237,8 @@ def main() -> None:
         "resumes": delta("pdserve_resumes_total"),
         "retries": delta("pdserve_retries_total"),
         "evictions": delta("pdserve_evictions_total"),
+        "hang_detection_s_mean": delta("pdserve_hang_detection_seconds_sum")
+        / max(delta("pdserve_hang_detection_seconds_count"), 1),
         "latency_s_overlapping_a_fault": percentiles(lat_hit),
         "latency_s_without_fault": percentiles(lat_clean),
         "gateway_acted_after_s": percentiles(acted),

@@ -242,6 +242,7 @@ class Gateway:
                     self.metrics.waiting.dec()
                 full.clear()
                 continue
+            sent_before = len(sent)
             try:
                 async for token_ids, logprobs, finish in stream:
                     delta = Delta(logprobs=logprobs)
@@ -260,7 +261,7 @@ class Gateway:
                         return
                 raise _WorkerFailed(None, "worker stream ended without a finish reason")
             except _WorkerFailed as e:
-                if sent:  # the client has tokens: go on from them on another worker
+                if len(sent) > sent_before:  # this try streamed, then failed: go on elsewhere
                     if e.worker is not None:
                         tried.add(e.worker.worker_id)
                         e.worker.failures += 1
@@ -276,7 +277,8 @@ class Gateway:
                     req.log.warning("request.resume", error=str(e), sent_tokens=len(sent))
                     req.span.add_event("resume", {"error": str(e), "sent_tokens": len(sent)})
                     continue
-                last_error = str(e)
+                # Failed before streaming (a resumed try too: it is admitted like a new request)
+                last_error = f"resuming after {len(sent)} tokens: {e}" if sent else str(e)
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.worker is not None:
                     full.add(e.worker.worker_id)
                     continue
