@@ -165,6 +165,9 @@ class UCXWorkerThread:
         UCX has matched cannot be cancelled (``cancel``): it stays watched, its buffers
         (``keep_alive``) referenced, until it completes, and then ``on_over()`` runs. Nothing is
         freed on a timer: a sender stopped in the middle of a message may resume any time."""
+        if _request_cancel() is None:  # another ucxx build: the old way, a quarantine
+            self.forget(request, *keep_alive)
+            return True
         self._watched = [(r, cb) for r, cb in self._watched if r is not request]
         self._forgotten.add(id(request))
         if self.cancel(request):
@@ -186,8 +189,8 @@ class UCXWorkerThread:
         yet completes at once (UCXXCanceledError, reported to its ``watch`` callback); one that is
         matched cannot be cancelled: its data is still on the way (a rendezvous in progress, whose
         sender may be stopped) and it completes when the data has landed. Without ucxx's
-        ``Request::cancel`` (another ucxx build) it is forgotten instead (dropping it cancels it
-        too, unobserved) and reported as over: the old behaviour."""
+        ``RequestTag::cancel`` (another ucxx build) it is forgotten instead (dropping it cancels
+        it too, unobserved) and reported as over."""
         fn = _request_cancel()
         if fn is None:
             self.forget(request)
@@ -327,14 +330,16 @@ def _noop(*_: Any) -> None:
 
 @functools.cache
 def _request_cancel() -> Any:
-    """``ucxx::Request::cancel()`` of the loaded libucxx, which ucxx's Python API does not expose
-    (it cancels a request only in its destructor, i.e. when the request is dropped, unobserved)."""
+    """``ucxx::RequestTag::cancel()`` (a tag request's override of ``Request::cancel``) of the
+    loaded libucxx, which ucxx's Python API does not expose (it cancels a request only in its
+    destructor, i.e. when the request is dropped, unobserved). ``UCXRequest.ucxx_ptr`` is the
+    request object's address; ``RequestTag`` derives from ``Request`` alone."""
     try:
         import libucxx
 
         path = os.path.join(os.path.dirname(libucxx.__file__), "lib64", "libucxx.so")
         lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        fn = lib._ZN4ucxx7Request6cancelEv
+        fn = lib._ZN4ucxx10RequestTag6cancelEv
     except (ImportError, OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p], None

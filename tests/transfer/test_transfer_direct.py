@@ -196,11 +196,11 @@ def test_incomplete_direct_transfer_fails_at_its_deadline_and_settles_at_once() 
         tid, timeout = next(_ids), 1.0
         pools = Pools(layout, POOL_BLOCKS)
         dst = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid + 1, True)
-        start = time.monotonic()
-        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
-        src_pools = Pools(layout, POOL_BLOCKS)
+        src_pools = Pools(layout, POOL_BLOCKS)  # made first: the deadline runs from expect
         src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
         src_pools.fill(src, seed=tid)
+        start = time.monotonic()
+        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
         tx = sender.start_send(
             sender.connect(receiver.address()),
             tid,
