@@ -262,8 +262,9 @@ def test_sending_to_a_closed_receiver_fails_within_the_timeout(kind: str) -> Non
             fut.result(10)
         transfer.wait()
         receiver.close()
+        source = Source(sender, peer, next(_ids), 1, timeout=1.0)  # before the clock starts
         start = time.monotonic()
-        fut = send_layers(sender, peer, next(_ids), 1, range(1), timeout=1.0)[0]
+        fut = source.send(range(1))[0]
         with pytest.raises((PeerUnreachableError, TransferTimeoutError)):
             fut.result(1.0 + SLACK_S)
         assert time.monotonic() - start < 1.0 + SLACK_S
