@@ -14,8 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from pdserve.kv_cache.allocator import BlockAllocator
+from pdserve.metrics import WorkerMetrics
 from pdserve.transfer import (
     KVLayout,
     KVTransport,
@@ -104,6 +106,11 @@ def test_a_late_sender_of_a_freed_reservation_cannot_touch_its_new_owner(pair) -
     assert pools.mismatches(dst, new_seed) == []  # bit for bit the new owner's KV, still
     counters = receiver.counters()
     assert (counters.unsettled_transfers, counters.unsettled_blocks) == (0, 0)
+    metrics = WorkerMetrics()  # as a decode worker exposes them
+    metrics.watch_transport(receiver.counters)
+    scraped = generate_latest(metrics.registry).decode()
+    assert f"pdserve_kv_stale_messages_total {float(messages)}" in scraped
+    assert "pdserve_kv_unsettled_blocks 0.0" in scraped
     with pytest.raises(ValueError, match="in use|was"):  # a generation is never reused
         receiver.expect(old, PoolDestination(pools.k, pools.v, dst), timeout=1.0)
     allocator.free(again)
