@@ -20,6 +20,7 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_kv_transfer_failures_total{direction}
               pdserve_kv_stale_messages_total    KV messages of a reservation that was over, dropped
               pdserve_kv_unsettled_blocks        blocks held until a half-landed write completes
+              pdserve_kv_fence_late_writes_total  writes that landed after that hold expired
               pdserve_requests_running, pdserve_requests_waiting, pdserve_kv_blocks{state}
 """
 
@@ -209,6 +210,11 @@ class _TransportCollector:
             "pdserve_kv_stale_messages",
             "KV messages of a transfer whose reservation was over (freed or failing), dropped",
             value=c.stale_messages,
+        )
+        yield CounterMetricFamily(
+            "pdserve_kv_fence_late_writes",
+            "KV writes that landed after their blocks were given up (fence timeout): an alarm",
+            value=c.late_writes,
         )
         yield GaugeMetricFamily(
             "pdserve_kv_unsettled_blocks",

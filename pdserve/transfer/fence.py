@@ -31,6 +31,8 @@ class BlockFence:
         self._owner: dict[tuple[int, int], RecvTransfer] = {}  # (pool, block id) -> transfer
         self._claimed: dict[int, RecvTransfer] = {}  # id(transfer) -> transfer, until settled
         self.stale_messages = 0  # counted on the transport's thread
+        self.fences_expired = 0
+        self.late_writes = 0
 
     def claim(self, transfer: RecvTransfer) -> None:
         """Make ``transfer`` the owner of its destination's blocks until it settles; ValueError
@@ -63,6 +65,17 @@ class BlockFence:
     def count_stale(self, messages: int = 1) -> None:
         self.stale_messages += messages
 
+    def expire(self, transfer: RecvTransfer) -> None:
+        """On the transport's thread, ``fence_timeout_s`` after ``transfer`` failed: if a receive
+        into its blocks is still under way, give up on it (its sender is taken for dead) and
+        count it, and count every such receive that completes later (a write into blocks that
+        may belong to someone else by then)."""
+        if transfer.expire_settle(self._count_late_write):
+            self.fences_expired += 1
+
+    def _count_late_write(self) -> None:
+        self.late_writes += 1
+
     def counters(self) -> TransportCounters:
         with self._lock:
             claimed = list(self._claimed.values())
@@ -71,6 +84,8 @@ class BlockFence:
             stale_messages=self.stale_messages,
             unsettled_transfers=len(unsettled),
             unsettled_blocks=sum(t.num_blocks for t in unsettled),
+            fences_expired=self.fences_expired,
+            late_writes=self.late_writes,
         )
 
 

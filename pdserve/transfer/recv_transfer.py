@@ -84,6 +84,8 @@ class RecvTransfer:
         # completed or been cancelled (the blocks may be freed then, not before; see ``settled``)
         self.settled: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._in_flight = 0  # receives into the destination that could not be cancelled
+        self.expired = False  # settled by expire_settle with receives still under way
+        self.on_late_write: Callable[[], None] | None = None
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -127,8 +129,19 @@ class RecvTransfer:
 
     def release_settle(self) -> None:
         self._in_flight -= 1
+        if self.expired and self.on_late_write is not None:
+            self.on_late_write()  # landed after the blocks were given up: a fence violation
         if self._in_flight == 0 and self.over and not self.settled.done():
             self.settled.set_result(None)
+
+    def expire_settle(self, on_late_write: Callable[[], None]) -> bool:
+        """Give up waiting for the receives still under way (their sender may be dead: UCX does
+        not say): settle now. Each of them that completes later calls ``on_late_write``."""
+        if not self.unsettled:
+            return False
+        self.expired, self.on_late_write = True, on_late_write
+        self.settled.set_result(None)
+        return True
 
     @property
     def unsettled(self) -> bool:

@@ -80,6 +80,10 @@ DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
 # rendezvous: a send completes only once the receiver has matched it.
 CPU_UCX_OPTIONS = {"RNDV_SCHEME": "am"}
 DEFAULT_MAX_SEGMENTS = 2  # direct up to this many segments, else gathered (docs/benchmarks.md)
+# How long a failed transfer's blocks stay held for a message that was half-way in when it failed
+# (fence.py): UCX cannot tell a dead sender (whose message never ends) from a stopped one. None:
+# for ever. Past it the blocks are freed and a write that still lands is counted (late_writes).
+DEFAULT_FENCE_TIMEOUT_S = 120.0
 
 
 class UCXTransport(KVTransport):
@@ -92,6 +96,7 @@ class UCXTransport(KVTransport):
         recv_window: int = 8,
         drain_seconds: float = 30.0,
         max_segments: int = DEFAULT_MAX_SEGMENTS,
+        fence_timeout_s: float | None = DEFAULT_FENCE_TIMEOUT_S,
     ) -> None:
         if recv_window < 1:
             raise ValueError(f"recv_window must be >= 1, got {recv_window}")
@@ -118,6 +123,7 @@ class UCXTransport(KVTransport):
             drain_seconds=drain_seconds,
             max_segments=max_segments,
             fence=self.fence,
+            fence_timeout_s=fence_timeout_s,
         )
         if max_segments >= 1:
             self.direct = UCXDirectPath(self._sender, layout, pool_bytes, max_segments)

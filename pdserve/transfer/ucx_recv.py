@@ -74,6 +74,7 @@ class UCXReceiver:
         drain_seconds: float,
         max_segments: int,
         fence: BlockFence,
+        fence_timeout_s: float | None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -82,6 +83,7 @@ class UCXReceiver:
         self.max_segments = max_segments  # landed direct in the pools up to this many segments
         self.closed = False
         self.fence = fence
+        self.fence_timeout_s = fence_timeout_s
         self._ucx = ucx
         self._messages = messages
         self._pool_bytes = pool_bytes
@@ -196,6 +198,9 @@ class UCXReceiver:
             rec.plan = None
         if rec.direct is not None:  # a receive it cannot cancel holds transfer.settled
             rec.direct.cancel_all()
+            if transfer.unsettled and self.fence_timeout_s is not None:
+                when = time.monotonic() + self.fence_timeout_s
+                self._ucx.call_at(when, self.fence.expire, transfer)
         for slot in rec.slots:
             if slot.request is not None:  # still posted: cancel it (its buffer is not reused)
                 self._ucx.retire(slot.request, slot.msg)

@@ -26,6 +26,7 @@ from pdserve.transfer import (
     create_transport,
 )
 from pdserve.transfer.recv_transfer import RecvTransfer
+from pdserve.transfer.ucx import UCXTransport
 from tests.transfer import peers
 from tests.transfer.peers import Pools, block_ids, default_layout, recv
 
@@ -163,38 +164,44 @@ class StoppableSender:
         peers.stop(self.proc)
 
 
-def stop_half_way(sender: StoppableSender, rt: RecvTransfer, pools: Pools, dst, tid: int) -> None:  # noqa: ANN001
-    """Send transfer ``tid`` and SIGSTOP the sender once the first bytes have landed."""
-    sender.send(tid, tid, dst)
-    first = pools.k[0][int(dst[0])]
-    wait_for(lambda: bool(first.any()) or rt.done(), what="the first bytes to land")
-    os.kill(sender.proc.pid, signal.SIGSTOP)
+def stop_half_way(
+    sender: StoppableSender, receiver: KVTransport, pools: Pools, dst
+) -> RecvTransfer:  # noqa: ANN001
+    """A transfer into ``dst`` whose sender is stopped (SIGSTOP) with a message half-way in, and
+    which the receiver then cancelled: it is over, not settled. Retried when the stop happens to
+    fall between two messages (rare: several 16 MiB messages are in flight at once)."""
+    for attempt in range(1, 6):
+        tid = 10 + attempt
+        for p in (*pools.k, *pools.v):
+            p.zero_()
+        rt = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+        sender.send(tid, tid, dst)
+        first = pools.k[0][int(dst[0])]
+        landing = lambda first=first, rt=rt: bool(first.any()) or rt.done()  # noqa: E731
+        wait_for(landing, what="the first bytes to land")
+        os.kill(sender.proc.pid, signal.SIGSTOP)
+        rt.cancel("the request went away")
+        with contextlib.suppress(TransferError):  # unless it had landed whole already
+            rt.wait()
+        if not rt.settled.done():
+            return rt
+        os.kill(sender.proc.pid, signal.SIGCONT)
+        assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
+    raise AssertionError("the sender was never stopped in the middle of a message")
 
 
 def test_a_sender_stopped_half_way_keeps_the_blocks_fenced_until_its_write_ends() -> None:
     """UCX cannot cancel a receive it has matched: a sender stopped by SIGSTOP in the middle of
     a message writes the rest after SIGCONT. The failed transfer therefore settles only then;
     until it has, its blocks are refused to a new owner. Afterwards the new owner's KV lands and
-    stays intact, bit for bit, and the stopped sender's remaining messages are counted stale."""
+    stays intact, bit for bit."""
     receiver = create_transport("ucx", BIG)
     sender = StoppableSender(receiver.address())
     pools = Pools(BIG, BIG_POOL)
     dst = torch.arange(8, 8 + BIG_BLOCKS)
     try:
-        for attempt in itertools.count(1):  # the stop lands between two messages: rarely
-            tid = 10 + attempt
-            for p in (*pools.k, *pools.v):
-                p.zero_()
-            rt = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
-            stop_half_way(sender, rt, pools, dst, tid)
-            rt.cancel("the request went away")
-            with contextlib.suppress(TransferError):  # unless it had landed whole already
-                rt.wait()
-            if not rt.settled.done() or attempt == 5:
-                break
-            os.kill(sender.proc.pid, signal.SIGCONT)
-            assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
-        assert not rt.settled.done(), "the sender was never stopped in the middle of a message"
+        rt = stop_half_way(sender, receiver, pools, dst)
+        tid = rt.transfer_id
         counters = receiver.counters()
         assert (counters.unsettled_transfers, counters.unsettled_blocks) == (1, BIG_BLOCKS)
         with pytest.raises(ValueError, match=f"still belongs to transfer {tid}"):
@@ -204,7 +211,12 @@ def test_a_sender_stopped_half_way_keeps_the_blocks_fenced_until_its_write_ends(
         os.kill(sender.proc.pid, signal.SIGCONT)
         rt.settled.result(timeout=20.0)  # the half-way message completed: now free
         assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
-        assert receiver.counters().unsettled_blocks == 0
+        counters = receiver.counters()
+        assert (counters.unsettled_blocks, counters.fences_expired, counters.late_writes) == (
+            0,
+            0,
+            0,
+        )
         late = [
             not torch.equal(p[dst], was)
             for p, was in zip((*pools.k, *pools.v), stopped, strict=True)
@@ -217,6 +229,28 @@ def test_a_sender_stopped_half_way_keeps_the_blocks_fenced_until_its_write_ends(
         assert sender.reply() == ("posted", new) and sender.reply() == ("sent", new)
         rt2.wait()
         assert pools.mismatches(dst, new) == []
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_fence_held_past_its_timeout_is_given_up_and_a_late_write_is_counted() -> None:
+    """A sender that never finishes its message (dead, or stopped for longer than
+    ``fence_timeout_s``) cannot hold the blocks for ever: past the timeout the transfer settles
+    (the blocks can be freed) and the expiry is counted; if the write does land after all, it is
+    counted too (``late_writes``, the alarm ``pdserve_kv_fence_late_writes_total``)."""
+    receiver = UCXTransport(BIG, fence_timeout_s=0.5)
+    sender = StoppableSender(receiver.address())
+    pools = Pools(BIG, BIG_POOL)
+    dst = torch.arange(8, 8 + BIG_BLOCKS)
+    try:
+        rt = stop_half_way(sender, receiver, pools, dst)
+        rt.settled.result(timeout=10.0)  # given up after 0.5 s
+        assert rt.expired and receiver.counters().fences_expired == 1
+        assert receiver.counters().unsettled_blocks == 0
+        os.kill(sender.proc.pid, signal.SIGCONT)
+        assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
+        wait_for(lambda: receiver.counters().late_writes >= 1, what="the late write's count")
     finally:
         sender.close()
         receiver.close()
