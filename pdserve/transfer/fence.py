@@ -12,6 +12,10 @@ transfer has *settled* (``RecvTransfer.settled``: no receive into its blocks is 
 more) its blocks belong to it, and ``claim`` refuses a new transfer into any of them. A caller
 that freed and handed out blocks before the old transfer settled (a bug: a late write of the
 old sender could land in them) is refused at ``expect`` instead of having its KV overwritten.
+
+A receive that cannot be cancelled (half-way in) holds its transfer's ``settled`` until it ends;
+``expire`` gives such a hold up after the transport's ``fence_timeout_s`` (its sender may be dead,
+which UCX does not report) and counts it, and counts a write that lands after that.
 """
 
 from __future__ import annotations
