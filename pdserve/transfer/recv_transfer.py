@@ -43,7 +43,9 @@ class RecvTransfer:
     """Receiver-side handle of one transfer, returned by ``KVTransport.expect``.
 
     State changes only on the transport's thread; ``wait``, ``done``, ``cancel`` and ``await``
-    are safe from any thread or event loop.
+    are safe from any thread or event loop. ``future`` ends when the transfer is over (completed,
+    or failed: at once); ``settled`` when nothing can land in the destination any more, which is
+    when its blocks may be freed: before ``future`` unless a message was half-way in (fence.py).
     """
 
     def __init__(
