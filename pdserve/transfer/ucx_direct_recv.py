@@ -17,7 +17,8 @@ ucx_recv.py). A receive that UCX had already matched cannot be cancelled: its da
 the way (measured: a sender stopped by SIGSTOP in the middle of a message writes the rest into the
 posted buffer after SIGCONT, cancel or not). So ``cancel_all`` cancels every receive, and each one
 that is not over at once holds the transfer's ``settled`` until it completes; the caller frees
-the blocks on ``settled``, never on a timer.
+the blocks on ``settled``, not after a fixed delay (the one bound: ``fence_timeout_s``, for a
+sender that never finishes its message, fence.py).
 """
 
 from __future__ import annotations
