@@ -18,15 +18,20 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_queue_seconds, pdserve_step_seconds{phase}
               pdserve_kv_transfer_seconds{direction}, pdserve_kv_transfer_bytes{direction}
               pdserve_kv_transfer_failures_total{direction}
+              pdserve_kv_stale_messages_total    KV messages of a reservation that was over, dropped
+              pdserve_kv_unsettled_blocks        blocks held until a half-landed write completes
+              pdserve_kv_fence_late_writes_total  writes that landed after that hold expired
               pdserve_requests_running, pdserve_requests_waiting, pdserve_kv_blocks{state}
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -227,3 +232,30 @@ class WorkerMetrics(_Metrics):
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_seconds.labels(direction).observe(seconds)
         self.transfer_bytes.labels(direction).observe(nbytes)
+
+    def watch_transport(self, counters: Callable[[], Any]) -> None:
+        """Read a KV transport's ``counters()`` (fence.py) at every scrape."""
+        self.registry.register(_TransportCollector(counters))
+
+
+class _TransportCollector:
+    def __init__(self, counters: Callable[[], Any]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self.counters()
+        yield CounterMetricFamily(
+            "pdserve_kv_stale_messages",
+            "KV messages of a transfer whose reservation was over (freed or failing), dropped",
+            value=c.stale_messages,
+        )
+        yield CounterMetricFamily(
+            "pdserve_kv_fence_late_writes",
+            "KV writes that landed after their blocks were given up (fence timeout): an alarm",
+            value=c.late_writes,
+        )
+        yield GaugeMetricFamily(
+            "pdserve_kv_unsettled_blocks",
+            "KV blocks of failed transfers held until a message already half-way in completes",
+            value=c.unsettled_blocks,
+        )
