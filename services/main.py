@@ -32,6 +32,11 @@ from pdserve.services import lifecycle
 from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.registration import (
+    NoGatewayError,
+    Registration,
+    RegistrationRefusedError,
+)
 
 from pdserve import rpc, telemetry, tls
 from pdserve.config import EngineConfig
@@ -39,7 +44,7 @@ from pdserve.engine import LLMEngine
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
 from pdserve.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generation_pb2, worker_pb2_grpc
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 
 
@@ -49,7 +54,9 @@ class WorkerOptions:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
-    gateway: str | None = None  # register with this gateway
+    # register with every gateway this names: HOST:PORT[,HOST:PORT...], each HOST re-resolved
+    # every heartbeat round (services/registration.py)
+    gateway: str | None = None
     transport: str = "ucx"
     advertise: str | None = None  # address registered with the gateway; default host:port
     metrics_port: int = 0  # /metrics over HTTP; 0 picks a port, -1 turns it off
@@ -153,76 +160,6 @@ def kv_layout(engine: LLMEngine, model_name: str):
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
     )
-
-
-class RegistrationRefusedError(RuntimeError):
-    """The gateway refused this worker (its KV layout differs from its peers', say): the message
-    is the gateway's reason. The ``pdserve <role>`` process prints it and exits with code 2."""
-
-
-class Registration:
-    """Register with the gateway, then heartbeat at a third of the lease; re-register when the
-    gateway forgot this worker (its lease ran out, or the gateway restarted)."""
-
-    def __init__(
-        self,
-        gateway: str,
-        worker_id: str,
-        role: str,
-        address: str,
-        layout,
-        tls_config: tls.TLSConfig | None = None,
-        cluster_token: str | None = None,
-    ) -> None:
-        credentials = tls.channel_credentials(tls_config) if tls_config is not None else None
-        self.channel = rpc.channel(gateway, credentials, tls.channel_options(tls_config))
-        self.metadata = ((tls.TOKEN_METADATA_KEY, cluster_token),) if cluster_token else ()
-        self.stub = worker_pb2_grpc.RegistryStub(self.channel)
-        self.request = worker_pb2.RegisterRequest(
-            worker_id=worker_id,
-            role=role,
-            address=address,
-            layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash),
-        )
-        self.period = 1.0
-
-    async def register(self) -> None:
-        """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
-        try:
-            resp = await self.stub.Register(self.request, timeout=10, metadata=self.metadata)
-        except grpc.aio.AioRpcError as e:
-            if e.code() in (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.UNAUTHENTICATED,
-            ):
-                raise RegistrationRefusedError(e.details()) from None
-            raise
-        self.period = max(resp.lease_ms / 3000, 0.1)
-
-    async def heartbeat(self) -> None:
-        """Renew the lease; register again when the gateway forgot this worker. A gateway that
-        does not answer is tried again next time."""
-        try:
-            hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
-            resp = await self.stub.Heartbeat(
-                hb, timeout=min(5.0, self.period), metadata=self.metadata
-            )
-            if not resp.known:
-                await self.register()
-        except grpc.aio.AioRpcError:
-            pass
-
-    async def deregister(self, reason: str) -> None:
-        """Leave at once (best effort: a gateway that does not answer lets the lease run out)."""
-        try:
-            await self.stub.Deregister(
-                worker_pb2.DeregisterRequest(worker_id=self.request.worker_id, reason=reason),
-                timeout=2,
-                metadata=self.metadata,
-            )
-        except grpc.aio.AioRpcError:
-            pass
 
 
 def _worker_parts(opts: WorkerOptions):
@@ -365,8 +302,8 @@ class WorkerServer:
             await asyncio.sleep(tick)
             try:
                 await self._check()
-            except grpc.aio.AioRpcError:
-                continue  # registering again failed: the gateway is away; try next time
+            except (grpc.aio.AioRpcError, NoGatewayError):
+                continue  # registering again failed: the gateways are away; try next time
             if reg is not None and self.healthy and loop.time() >= next_beat:
                 await reg.heartbeat()
                 next_beat = loop.time() + reg.period
@@ -408,7 +345,7 @@ class WorkerServer:
         self.worker.stop()
         self.worker.metrics.close()
         if self._registration is not None:
-            await self._registration.channel.close()
+            await self._registration.close()
 
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
