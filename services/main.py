@@ -185,6 +185,7 @@ def _worker_parts(opts: WorkerOptions):
         lambda: engine.stats().num_waiting,
         lambda: engine.num_free_blocks,
         engine.stats().num_total_blocks,
+        opts.engine.scheduler.max_num_seqs,
     )
     if opts.role == "prefill":
         worker = PrefillWorker(engine, transport, metrics)
