@@ -47,6 +47,12 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, worker_pb2_grpc
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 
+# A health "service" (no RPCs) that says whether the process should be restarted: SERVING from
+# start to stop, also while draining or unregistered; a worker's turns NOT_SERVING only when its
+# engine thread has died (it never recovers). Kubernetes' liveness probes ask for it; readiness
+# asks for "" (can this server do its work now).
+LIVENESS = "pdserve.Liveness"
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -242,6 +248,7 @@ class WorkerServer:
             served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
             worker.start(asyncio.get_running_loop())
             await server.set_serving(False)
+            await server.set_serving(True, [LIVENESS])
             await server.start()
             if opts.gateway:
                 served._registration = Registration(
@@ -275,6 +282,8 @@ class WorkerServer:
         if self.draining:
             return
         problem = self._engine_problem()
+        if not self.worker.loop.alive:  # for good: let the orchestrator restart the process
+            await self.server.set_serving(False, [LIVENESS])
         if (problem is None) == self.healthy:
             return
         reg = self._registration
@@ -458,6 +467,7 @@ class GatewayServer:
                 await served.http.start()
             if registry_server is not None:
                 await registry_server.start()
+            await server.set_serving(True, [LIVENESS])
             await server.start()
             served._health = asyncio.create_task(served._watch_health())
         except BaseException:
