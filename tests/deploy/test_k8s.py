@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,23 @@ def test_services_ports_and_registration_addresses_agree(name):
         "pdserve-gateway",
         "pdserve-gateway-registry",
     }
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_workers_start_once_a_gateway_registry_answers(name):
+    docs = rendered(name)
+    gateway = _args(_container(docs, "gateway"))
+    for role in WORKERS:
+        [init] = _deployment(docs, role)["spec"]["template"]["spec"]["initContainers"]
+        assert init["image"] == _container(docs, role)["image"]
+        assert init["command"][:2] == ["sh", "-c"]
+        loop = re.fullmatch(r"until (pdserve health .*); do sleep \d+; done", init["command"][2])
+        assert loop, init["command"]
+        health = build_parser().parse_args(shlex.split(loop.group(1))[1:])
+        assert health.command == "health" and health.service == "pdserve.v1.Registry"
+        worker = _args(_container(docs, role))
+        assert health.address == worker.gateway  # where the worker will register
+        assert int(health.address.rsplit(":", 1)[1]) == gateway.port
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
