@@ -16,6 +16,7 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.main import GatewayOptions, GatewayServer
 
 from pdserve import Client, SamplingParams
+from pdserve.certs import CertificateAuthority
 from tests.helpers import assert_no_leaks, wait_until
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -143,3 +144,24 @@ def test_no_gateway_at_start_fails_the_start(cluster, monkeypatch):
     monkeypatch.setattr(registration, "resolve", nothing)
     with pytest.raises(registration.NoGatewayError, match="none resolved"):
         c.start_worker("decode-0", "decode", gateway="gateways.test:50051")
+
+
+def test_over_tls_the_worker_checks_the_gateway_name_not_the_ip_it_dials(
+    cluster, monkeypatch, tmp_path
+):
+    """The gateways' certificate names the Service (``gw.test``), not pod IPs: the worker dials the
+    IP the name resolved to and checks the name."""
+    ca = CertificateAuthority(tmp_path)
+    certs = {"gateway": ca.issue("gateway", ("gw.test",)), "worker": ca.issue("worker")}
+    c = cluster(prefill=0, decode=0, certs=certs)
+    registry = c.gateway.registry_address  # 127.0.0.1:port: not in the gateway's certificate
+    port = int(registry.rsplit(":", 1)[1])
+
+    async def fake_dns(host: str, port_: int) -> list[str]:
+        return [registry] if host == "gw.test" else [f"{host}:{port_}"]
+
+    monkeypatch.setattr(registration, "resolve", fake_dns)
+    with pytest.raises(registration.NoGatewayError):  # by IP the name check fails
+        c.start_worker("decode-x", "decode", gateway=registry)
+    d = c.start_worker("decode-0", "decode", gateway=f"gw.test:{port}")
+    assert _lists(c.gateway, d)
