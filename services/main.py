@@ -315,8 +315,9 @@ class WorkerServer:
             except (grpc.aio.AioRpcError, NoGatewayError):
                 continue  # registering again failed: the gateways are away; try next time
             if reg is not None and self.healthy and loop.time() >= next_beat:
+                started = loop.time()  # a slow round (a gateway not answering) takes from the gap
                 await reg.heartbeat()
-                next_beat = loop.time() + reg.period
+                next_beat = started + reg.period
 
     async def drain(self, timeout: float) -> bool:
         """Say NOT_SERVING, deregister, refuse new requests (UNAVAILABLE: the gateway tries

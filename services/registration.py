@@ -98,12 +98,12 @@ class GatewayLink:
         self.registered = False
         self.period = 1.0
 
-    async def register(self) -> None:
+    async def register(self, timeout: float = 10.0) -> None:
         """Raises RegistrationRefusedError with the gateway's reason when it refuses the worker,
         AioRpcError when it cannot be reached."""
         try:
             resp = await self.stub.Register(
-                self.reg.request, timeout=10, metadata=self.reg.metadata
+                self.reg.request, timeout=timeout, metadata=self.reg.metadata
             )
         except grpc.aio.AioRpcError as e:
             self.registered = False
@@ -119,10 +119,10 @@ class GatewayLink:
         does not answer is tried again next round."""
         try:
             hb = worker_pb2.HeartbeatRequest(worker_id=self.reg.request.worker_id)
-            timeout = min(5.0, self.reg.period)
+            timeout = self.reg.round_timeout
             resp = await self.stub.Heartbeat(hb, timeout=timeout, metadata=self.reg.metadata)
             if not resp.known:
-                await self.register()
+                await self.register(timeout)
         except grpc.aio.AioRpcError:
             self.registered = False
 
@@ -172,6 +172,12 @@ class Registration:
         return min((link.period for link in self.links.values()), default=1.0)
 
     @property
+    def round_timeout(self) -> float:
+        """How long a call of a heartbeat round may take: a gateway that does not answer must
+        not hold up the others' heartbeats past their leases."""
+        return min(5.0, self.period)
+
+    @property
     def registered(self) -> list[str]:
         """The gateway addresses this worker is registered with now."""
         return sorted(a for a, link in self.links.items() if link.registered)
@@ -219,7 +225,8 @@ class Registration:
         """One round: resolve, register with new gateways, heartbeat the others."""
         new = await self._refresh()
         calls = [
-            link.register() if link in new else link.heartbeat() for link in self.links.values()
+            link.register(self.round_timeout) if link in new else link.heartbeat()
+            for link in self.links.values()
         ]
         await self._each(calls)
 

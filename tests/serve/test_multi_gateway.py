@@ -9,6 +9,7 @@ stop the worker from renewing its lease with the others.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from pdserve.services import registration
@@ -165,3 +166,30 @@ def test_over_tls_the_worker_checks_the_gateway_name_not_the_ip_it_dials(
         c.start_worker("decode-x", "decode", gateway=registry)
     d = c.start_worker("decode-0", "decode", gateway=f"gw.test:{port}")
     assert _lists(c.gateway, d)
+
+
+def test_a_gateway_that_never_answers_does_not_hold_up_the_others_heartbeats(cluster, monkeypatch):
+    """A new gateway pod whose address takes connections but says nothing (a hung process, a
+    half-dead node): its calls time out within the round, so the gateway that answers keeps the
+    worker's lease."""
+    c = cluster(prefill=0, decode=0, lease_s=LEASE_S)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel completes handshakes; nobody ever reads or writes
+    behind = [c.gateway.registry_address]
+
+    async def fake_dns(host: str, port: int) -> list[str]:
+        return list(behind)
+
+    monkeypatch.setattr(registration, "resolve", fake_dns)
+    try:
+        d = c.start_worker("decode-0", "decode", gateway="gateways.test:50051")
+        behind.append(f"127.0.0.1:{silent.getsockname()[1]}")
+        wait_until(lambda: len(d._registration.links) == 2, 10, "the silent gateway to be tried")
+        for _ in range(5):  # several leases: every one renewed in time
+            c.loop.run(asyncio.sleep(LEASE_S))
+            assert _lists(c.gateway, d)
+        assert d._registration.registered == [c.gateway.registry_address]
+        assert _complete(c.address) == "length"
+    finally:
+        silent.close()
