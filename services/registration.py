@@ -184,13 +184,15 @@ class Registration:
 
     async def _refresh(self) -> list[GatewayLink]:
         """Resolve every target again; open links to new addresses, close those gone. A name that
-        does not resolve now keeps its last addresses. Returns the new links."""
+        does not resolve now (or not within a round's timeout) keeps its last addresses. Returns
+        the new links."""
         wanted: dict[str, str] = {}  # address -> the name its certificate carries
         for host, port in self.targets:
-            try:
-                self._resolved[host, port] = await self.resolver(host, port)
-            except OSError as e:
-                telemetry.logger().warning("gateway.unresolved", gateway=host, error=str(e))
+            try:  # bounded: a slow DNS must not hold up the heartbeats either
+                answer = await asyncio.wait_for(self.resolver(host, port), self.round_timeout)
+                self._resolved[host, port] = answer
+            except (OSError, TimeoutError) as e:
+                telemetry.logger().warning("gateway.unresolved", gateway=host, error=repr(e))
             for address in self._resolved.get((host, port), []):
                 wanted.setdefault(address, host)
         for address in [a for a in self.links if a not in wanted]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 from pdserve.services import registration
@@ -105,8 +106,12 @@ def test_a_name_is_resolved_again_every_round(cluster, monkeypatch):
     behind: list[str] = [g1.registry_address]
     asked: list[tuple[str, int]] = []
 
+    hang = threading.Event()
+
     async def fake_dns(host: str, port: int) -> list[str]:
         asked.append((host, port))
+        if hang.is_set():
+            await asyncio.sleep(3600)
         if not behind:
             raise OSError("name does not resolve")
         return list(behind)
@@ -125,6 +130,13 @@ def test_a_name_is_resolved_again_every_round(cluster, monkeypatch):
         n = len(asked)
         wait_until(lambda: len(asked) > n + 3, 10, "more heartbeat rounds")
         assert _lists(g1, d) and _lists(g2, d)
+        hang.set()  # DNS hangs: each round gives up on it in time, the leases are renewed
+        n = len(asked)
+        wait_until(lambda: len(asked) > n + 3, 10, "more heartbeat rounds")
+        for _ in range(3):
+            c.loop.run(asyncio.sleep(LEASE_S))
+            assert _lists(g1, d) and _lists(g2, d)
+        hang.clear()
 
         behind.append(g2.registry_address)  # g1's pod is gone from the Service
         c.loop.run(g1.stop(grace=0))
