@@ -168,7 +168,20 @@ class LLMEngine:
             tuple(seq.block_table[:num_prompt_blocks]),
             tuple(k for k, _ in pools),
             tuple(v for _, v in pools),
+            self.allocator.generation_of(seq.block_table[0]),
         )
+
+    def hold_landing(self, request_id: str) -> None:
+        """Decode side, before ``abort_request``: keep the reservation's prompt blocks allocated
+        (as ``HeldBlocks``) because a write of its failed transfer may still land in them; freed
+        by ``release_held`` once the transfer has settled."""
+        seq = self._seqs.get(request_id)
+        if seq is None or request_id in self._held:
+            return
+        n = blocks_needed(seq.num_prompt_tokens, self.scheduler.block_size)
+        held = HeldBlocks(request_id, tuple(seq.block_table[:n]))
+        self.allocator.retain(held.block_ids)
+        self._held[request_id] = held
 
     def activate_request(
         self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None

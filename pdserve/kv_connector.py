@@ -11,12 +11,17 @@ The engine owns its blocks; the services own the transport. Between them, per ro
       a prompt     -> on_layer: sender.send_pool_layer(i, pools, blocks)
       after sampling -> end_step: sender.finish(first token)
       request ends -> request_finished: HeldBlocks if the sender still reads the pools
-    release_held(rid): the transfer is over, the held blocks are freed
+                                                   hold_landing(rid) before abort_request: the
+                                                     failed transfer has not settled (a write
+                                                     may still land): HeldBlocks
+    release_held(rid): the transfer is over (settled), the held blocks are freed
 
 Ownership is in the types: a ``KVLanding``'s blocks belong to the engine's reservation until
-``activate_request``/``abort_request``; ``HeldBlocks`` are blocks a finished request leaves
-allocated because a transfer still reads them, freed only by ``LLMEngine.release_held``. Every
-call here runs in the engine thread (between or inside steps).
+``activate_request``/``abort_request``; its ``generation`` is the transfer id that every KV
+message for it carries (transfer/fence.py). ``HeldBlocks`` are blocks a finished request leaves
+allocated because a transfer still reads them (prefill) or may still write them (decode), freed
+only by ``LLMEngine.release_held``. Every call here runs in the engine thread (between or inside
+steps).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class KVLanding:
     block_ids: tuple[int, ...]
     k_pools: tuple[torch.Tensor, ...]
     v_pools: tuple[torch.Tensor, ...]
+    generation: int = 0  # the allocator's, of these blocks: never reused (allocator.py)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_queue_seconds, pdserve_step_seconds{phase}
               pdserve_kv_transfer_seconds{direction}, pdserve_kv_transfer_bytes{direction}
               pdserve_kv_transfer_failures_total{direction}
+              pdserve_kv_stale_messages_total    KV messages of a reservation that was over, dropped
+              pdserve_kv_unsettled_blocks        blocks held until a half-landed write completes
+              pdserve_kv_fence_late_writes_total  writes that landed after that hold expired
               pdserve_requests_running, pdserve_requests_waiting, pdserve_kv_blocks{state}
               pdserve_kv_cache_utilization    used / total KV blocks, 0..1 (what a decode
                                               HorizontalPodAutoscaler scales on: deploy/k8s)
@@ -26,10 +29,12 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -87,9 +92,42 @@ class GatewayMetrics(_Metrics):
         self.retries = Counter(
             "pdserve_retries", "Tries of a request on another worker pair", registry=r
         )
+        self.placement = Counter(
+            "pdserve_placement",
+            "Where a request with a prefill and a decode worker to choose from was prefilled: "
+            "disaggregated, or on its decode worker (short_prompt, prefill_busy)",
+            ["reason"],
+            registry=r,
+        )
         self.resumes = Counter(
             "pdserve_resumes",
             "Requests continued on another worker after tokens were streamed (the worker failed)",
+            registry=r,
+        )
+        # the hang watchdog (services/gateway/watchdog.py)
+        self.probes = Counter(
+            "pdserve_probes",
+            "Probes of workers by the gateway, by kind (fast: Stats; real: a 1-token generation) "
+            "and result (ok, timeout, error)",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "pdserve_evictions",
+            "Workers evicted by the gateway, by reason (stalled: calls running, no progress; "
+            "unresponsive: idle, probes failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.hang_detection = Histogram(
+            "pdserve_hang_detection_seconds",
+            "From a worker's last progress (or its failed probe's start, when idle) to its eviction",
+            buckets=(0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20),
+            registry=r,
+        )
+        self.rejoins = Counter(
+            "pdserve_rejoins",
+            "Evicted workers routed to again: they registered again and passed a probe",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -212,3 +250,30 @@ class WorkerMetrics(_Metrics):
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_seconds.labels(direction).observe(seconds)
         self.transfer_bytes.labels(direction).observe(nbytes)
+
+    def watch_transport(self, counters: Callable[[], Any]) -> None:
+        """Read a KV transport's ``counters()`` (fence.py) at every scrape."""
+        self.registry.register(_TransportCollector(counters))
+
+
+class _TransportCollector:
+    def __init__(self, counters: Callable[[], Any]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self.counters()
+        yield CounterMetricFamily(
+            "pdserve_kv_stale_messages",
+            "KV messages of a transfer whose reservation was over (freed or failing), dropped",
+            value=c.stale_messages,
+        )
+        yield CounterMetricFamily(
+            "pdserve_kv_fence_late_writes",
+            "KV writes that landed after their blocks were given up (fence timeout): an alarm",
+            value=c.late_writes,
+        )
+        yield GaugeMetricFamily(
+            "pdserve_kv_unsettled_blocks",
+            "KV blocks of failed transfers held until a message already half-way in completes",
+            value=c.unsettled_blocks,
+        )

@@ -4,7 +4,9 @@ installed in one place.
 Servicers do not call ``context.abort``: they raise. A ``StatusError`` ends the call with its own
 code and message; any other exception with the code its class has in the server's error table
 (the nearest class in its MRO that the table names), and the exception's text as the message; an
-exception the table does not know ends it with INTERNAL, its traceback logged.
+exception the table does not know ends it with INTERNAL, its traceback logged. A request whose
+bytes do not decode as the method's message ends with INVALID_ARGUMENT (grpc's own answer is
+UNKNOWN, which callers would retry).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ _OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+# A status message longer than this is cut (it travels in a header; a client refuses large ones).
+MAX_STATUS_MESSAGE_CHARS = 512
+
 ErrorTable = Mapping[type[Exception], grpc.StatusCode]
 
 
@@ -54,20 +59,53 @@ def _table_code(exc: BaseException, errors: ErrorTable) -> grpc.StatusCode | Non
     return None
 
 
+def _cut(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE_CHARS:
+        return message
+    return message[: MAX_STATUS_MESSAGE_CHARS - 3] + "..."
+
+
 def status_of(exc: BaseException, errors: ErrorTable) -> tuple[grpc.StatusCode, str]:
-    """The status a call that raised ``exc`` ends with: see the module's docstring."""
+    """The status a call that raised ``exc`` ends with (see the module's docstring), its message
+    at most MAX_STATUS_MESSAGE_CHARS long."""
     if isinstance(exc, StatusError):
-        return exc.code, str(exc)
+        return exc.code, _cut(str(exc))
     code = _table_code(exc, errors)
     if code is None:
-        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-    return code, str(exc)
+        return grpc.StatusCode.INTERNAL, _cut(f"internal error: {type(exc).__name__}: {exc}")
+    return code, _cut(str(exc))
+
+
+class _Undecodable:
+    """What a request's bytes became when they do not decode: the handler is not called."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def abort(self, context) -> None:
+        message = _cut(f"the request does not decode: {self.error}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _lenient(deserialize):
+    """``deserialize``, returning an _Undecodable where it raises."""
+    if deserialize is None:
+        return None
+
+    def parse(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as e:  # protobuf's DecodeError, or whatever a deserializer raises
+            return _Undecodable(e)
+
+    return parse
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns what a unary-unary or unary-stream handler raises into ``context.abort(code,
     message)`` (a streaming handler may raise after it has yielded: the client gets the messages,
-    then the status). Cancellation and the handler's own aborts pass through."""
+    then the status), and a request that does not decode into INVALID_ARGUMENT. Cancellation and
+    the handler's own aborts pass through."""
 
     def __init__(self, errors: ErrorTable) -> None:
         self.errors = errors
@@ -92,12 +130,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             wrap, factory = self._unary, grpc.unary_unary_rpc_method_handler
         return factory(
             wrap(behaviour, method),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
     def _unary(self, behaviour, method: str):
         async def call(request, context):
+            if isinstance(request, _Undecodable):
+                return await request.abort(context)
             try:
                 return await behaviour(request, context)
             except grpc.aio.AbortError:
@@ -109,6 +149,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _stream(self, behaviour, method: str):
         async def call(request, context):
+            if isinstance(request, _Undecodable):
+                await request.abort(context)
             try:
                 # aclosing: closing this generator closes the handler's at once (its finally
                 # blocks run then, not whenever it is collected)

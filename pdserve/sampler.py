@@ -44,7 +44,10 @@ def sample(
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    # The row's best logit subtracted first (softmax does not change): a tiny temperature (1e-38
+    # is a valid float32) would otherwise overflow the logits to inf, the softmax to NaN, and the
+    # pick to token 0; this way the best stays 0 and the rest go to -inf (a greedy pick).
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
     top_ks = [r.params.top_k for r in rows]
     if any(top_ks):
         vocab = logits.shape[-1]

@@ -164,8 +164,20 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_template)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, release_gil: bool = False
+    ) -> list[int]:
+        """``release_gil``: through the batch API, which lets other Python threads run meanwhile
+        (single ``encode`` holds the GIL throughout); for long texts encoded off an event loop."""
+        if release_gil:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (vocabulary entries, added tokens included;
+        a byte-level entry's symbols are bytes, at least as many as the characters they make)."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # clean_up_tokenization_spaces is deliberately not applied: transformers 5 skips it for BPE,

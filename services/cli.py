@@ -38,8 +38,17 @@ def gateway_config(args) -> GatewayConfig:
         lease_s=args.lease,
         kv_timeout_s=args.kv_timeout,
         max_attempts=args.max_attempts,
+        max_resumes=args.max_resumes,
         queue_timeout_s=args.queue_timeout,
         api_keys_file=args.api_keys,
+        local_prefill_tokens=args.local_prefill_tokens,
+        decode_prefill_budget_s=args.decode_prefill_budget,
+        probe_interval_s=args.probe_interval,
+        real_probe_interval_s=args.real_probe_interval,
+        suspect_after_s=args.suspect_after,
+        probe_timeout_s=args.probe_timeout,
+        real_probe_timeout_s=args.real_probe_timeout,
+        engine_timeout_s=args.engine_timeout,
     )
 
 
@@ -195,10 +204,65 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="worker pairs a request tries before its first token",
     )
     gw.add_argument(
+        "--max-resumes",
+        type=int,
+        default=GatewayConfig.max_resumes,
+        help="times a request whose worker fails after tokens were streamed is continued on "
+        "another worker",
+    )
+    gw.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=GatewayConfig.local_prefill_tokens,
+        help="prompts this short are prefilled by their decode worker, not shipped from a prefill "
+        "worker",
+    )
+    _placement_arg(gw)
+    gw.add_argument(
         "--queue-timeout",
         type=float,
         default=GatewayConfig.queue_timeout_s,
         help="seconds a request without a deadline waits while every decode worker is full",
+    )
+    hang = gw.add_argument_group(
+        "hang detection", "evict a worker that stops progressing (services/gateway/watchdog.py)"
+    )
+    hang.add_argument(
+        "--probe-interval",
+        type=float,
+        default=GatewayConfig.probe_interval_s,
+        help="seconds between fast probes (Stats) of each worker (0: no hang detection)",
+    )
+    hang.add_argument(
+        "--real-probe-interval",
+        type=float,
+        default=GatewayConfig.real_probe_interval_s,
+        help="seconds between real probes (a 1-token generation) of each decode/colocated worker",
+    )
+    hang.add_argument(
+        "--suspect-after",
+        type=float,
+        default=GatewayConfig.suspect_after_s,
+        help="seconds without a message from a worker running requests before it is probed",
+    )
+    hang.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=GatewayConfig.probe_timeout_s,
+        help="seconds the fast probe (Stats) may take",
+    )
+    hang.add_argument(
+        "--real-probe-timeout",
+        type=float,
+        default=GatewayConfig.real_probe_timeout_s,
+        help="seconds the real probe may take after a failed fast probe",
+    )
+    hang.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=GatewayConfig.engine_timeout_s,
+        help="seconds the real probe may take on a worker that answers Stats (longer than two "
+        "chunked-prefill steps)",
     )
     gw.add_argument(
         "--api-keys",
@@ -258,6 +322,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     engine_args(up)
     up.add_argument("--port", type=int, default=50051)
     _http_arg(up)
+    _placement_arg(up)
     up.add_argument(
         "--api-keys",
         default=None,
@@ -386,6 +451,18 @@ def _http_arg(p: argparse.ArgumentParser) -> None:
         default=HTTP_PORT,
         help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
+    )
+
+
+def _placement_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode-prefill-budget",
+        type=float,
+        default=GatewayConfig.decode_prefill_budget_s,
+        metavar="SECONDS",
+        help="a decode worker prefills a prompt itself while the prefill workers' queue is longer "
+        "and its own prefills fit in this many seconds of its streams' time (0: always "
+        "disaggregate)",
     )
 
 

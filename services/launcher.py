@@ -118,7 +118,7 @@ def cmd_up(args) -> int:
 
     def start(argv: list[str]) -> tuple[subprocess.Popen, str]:
         started = start_process(argv, env=env)
-        return started.proc, f", /metrics {started.metrics}"
+        return started.proc, f" at {started.address}, /metrics {started.metrics}"
 
     cluster = Supervisor(start)
     certs_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-")) if args.tls else None
@@ -126,6 +126,7 @@ def cmd_up(args) -> int:
         gateway_tls, worker_tls, ca = _tls_argv(certs_dir)
         keys = ["--api-keys", args.api_keys] if args.api_keys else []
         gateway_argv = ["gateway", "--model", args.model, *gateway_tls, *keys, *observe]
+        gateway_argv += ["--decode-prefill-budget", str(args.decode_prefill_budget)]
         ports = {"--port": args.port, "--http-port": args.http_port}
         ports["--metrics-port"] = args.metrics_port
         gateway = start_process([*gateway_argv, *(f"{k}={v}" for k, v in ports.items())], env=env)
@@ -142,6 +143,7 @@ def cmd_up(args) -> int:
         )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
         metrics = [f"gateway {gateway.metrics}"]
+        addresses = [gateway.address]
         for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
             argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
             argv += ["--threads", str(args.threads_per_worker)]
@@ -151,6 +153,7 @@ def cmd_up(args) -> int:
             name = f"{role}-{roles[:i].count(role)}"
             cluster.add(name, argv, started.proc)
             metrics.append(f"{name} {started.metrics}")
+            addresses.append(started.address)
         try_it = f"pdserve generate --url {gateway.address}" + (f" --tls-ca {ca}" if ca else "")
         print(
             f"pdserve is up: gateway at {gateway.address} ({args.prefill} prefill, {args.decode} decode, "
@@ -164,7 +167,11 @@ def cmd_up(args) -> int:
             print(f"TLS: CA {ca} (removed when pdserve up exits)", flush=True)
         print(f"/metrics: {', '.join(metrics)}", flush=True)
         print(
-            "processes: " + ", ".join(f"{s.name} pid {s.proc.pid}" for s in cluster.processes),
+            "processes: "
+            + ", ".join(
+                f"{s.name} pid {s.proc.pid} at {a}"
+                for s, a in zip(cluster.processes, addresses, strict=True)
+            ),
             flush=True,
         )
         while True:  # a process that exits is started again (services/supervisor.py)

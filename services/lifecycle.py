@@ -9,6 +9,10 @@ DRAIN_TIMEOUT_S = 30.0
 # NOT_SERVING and deregisters until the step ends. A CPU step takes milliseconds to a few seconds.
 STALL_TIMEOUT_S = 30.0
 
+# The request id prefix of the gateway's real probes (services/gateway/watchdog.py): a decode or
+# colocated worker serves them like any request but does not count, log or trace them.
+PROBE_PREFIX = "probe-"
+
 
 def check(drain_timeout_s: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
     """ValueError (a clear message for the CLI) unless the bounds make sense."""

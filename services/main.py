@@ -422,6 +422,7 @@ class GatewayServer:
         self.serving = False  # Generation's (and "") health now: registry.can_serve()
         self.draining = False
         self._health: asyncio.Task[None] | None = None
+        self.watchdog = None  # services.gateway.watchdog.Watchdog, unless probe_interval_s is 0
         self._stopped = False
 
     @property
@@ -471,6 +472,11 @@ class GatewayServer:
             await server.set_serving(True, [LIVENESS])
             await server.start()
             served._health = asyncio.create_task(served._watch_health())
+            if opts.config.probe_interval_s > 0:
+                from pdserve.services.gateway.watchdog import Watchdog
+
+                served.watchdog = Watchdog(registry, opts.config, gateway.metrics)
+                served.watchdog.start()
         except BaseException:
             await served.stop()
             raise
@@ -546,6 +552,8 @@ class GatewayServer:
         self._stopped = True
         if self._health is not None:
             self._health.cancel()
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         self.registry.on_change = None
         await self.server.set_serving(False)
         if self.http is not None:

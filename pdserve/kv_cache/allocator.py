@@ -12,6 +12,11 @@ are copied and sent as few pieces (the KV transfer sends each run straight from 
     block hash = H(parent block hash, the block's token ids)
 
 so equal hashes mean equal token prefixes, not just equal blocks.
+
+Generations: every ``allocate`` call draws a new number from a counter that only grows and stamps
+it on the blocks it hands out (``generation_of``; 0: free). The decode worker uses its
+reservation's generation as the id of the KV transfer into those blocks, so a message of an
+earlier owner of a block can never pass for one of the current owner's (transfer/fence.py).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class BlockAllocator:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self.generation = 0  # of the latest allocate(); never goes down
+        self._generation_of = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,9 +86,15 @@ class BlockAllocator:
             block, _ = self._cached.popitem(last=False)
             self._forget_hash(block)
             blocks.append(block)
+        self.generation += 1
         for block in blocks:
             self._ref_counts[block] = 1
+            self._generation_of[block] = self.generation
         return blocks
+
+    def generation_of(self, block: int) -> int:
+        """The generation of the ``allocate`` that handed ``block`` to its owner; 0 if free."""
+        return self._generation_of[block] if self._ref_counts[block] else 0
 
     def _take_plain(self, n: int) -> list[int]:
         """``n`` free blocks without a cached prefix: the lowest run of n, else the longest runs."""

@@ -34,7 +34,7 @@ from pdserve.transfer.pool_copy import (
 )
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.send_transfer import SendTransfer
-from pdserve.transfer.stats import TransferStats
+from pdserve.transfer.stats import TransferStats, TransportCounters
 
 TRANSPORTS = ("ucx", "loopback")
 
@@ -55,6 +55,7 @@ __all__ = [
     "SendTransfer",
     "TransferError",
     "TransferStats",
+    "TransportCounters",
     "TransferTimeoutError",
     "create_transport",
     "gather_into",

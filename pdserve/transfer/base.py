@@ -18,8 +18,10 @@ pools, for transports that can: ``KVTransport.direct``), ``header``/``plan`` (th
 Ownership: ``send_layer`` copies K and V into a message buffer before it returns, so the caller may
 reuse or free its gathered tensors at once. A ``CallbackDestination``'s ``on_layer`` gets views
 into a transport-owned buffer that are valid only during the call. The receiver's blocks stay
-reserved until ``rt.wait()`` returns or raises; a transfer that has not completed by its deadline
-fails with ``TransferTimeoutError`` and the caller frees its blocks.
+reserved until the transfer has *settled* (``rt.settled`` is done: nothing can land in them any
+more); a transfer that has not completed by its deadline fails with ``TransferTimeoutError``, and
+the caller frees its blocks once it has settled (at once, unless a message was half-way in when
+it failed: fence.py, ucx_direct_recv.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.transfer.direct import DirectPath
+from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout, LayerHeader, check_transfer_id
 from pdserve.transfer.pool_copy import KVDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.send_transfer import SendTransfer
+from pdserve.transfer.stats import TransportCounters
 
 
 @dataclass(eq=False)
@@ -68,6 +72,12 @@ class KVTransport(ABC):
     direct: DirectPath | None = None
     """Sends transfers straight from the sender's pools (direct.py), where this transport can;
     None: every transfer goes framed. ``SendTransfer.send_pool_layer`` uses it."""
+    fence: BlockFence | None = None
+    """The receiver's block owners and stale-message count (fence.py), where it keeps them."""
+
+    def counters(self) -> TransportCounters:
+        """Stale messages dropped, transfers and blocks not settled yet (fence.py)."""
+        return self.fence.counters() if self.fence is not None else TransportCounters()
 
     # -- receiver (decode worker) -------------------------------------------------------------
 
@@ -81,8 +91,10 @@ class KVTransport(ABC):
         """Called by the decode worker at admission, right after reserving the blocks of
         ``destination`` (pool_copy.py). Starts receiving every layer of ``transfer_id`` (messages
         that arrived earlier are kept for it) and lands each in ``destination`` on the transport
-        thread. ``transfer_id`` is chosen by the receiver, unique among its transfers, < 2**48.
-        The returned transfer fails with TransferTimeoutError if incomplete after ``timeout`` s."""
+        thread. ``transfer_id`` is chosen by the receiver, < 2**48, and never reused: it is the
+        generation of the reservation (fence.py). ValueError if a block of ``destination`` still
+        belongs to a transfer that has not settled. The returned transfer fails with
+        TransferTimeoutError if incomplete after ``timeout`` s."""
 
     # -- sender (prefill worker) --------------------------------------------------------------
 

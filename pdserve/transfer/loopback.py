@@ -3,7 +3,9 @@ checks as UCX, but a send is a copy into the receiver's inbox. Nothing crosses a
 
 Transports find each other through a process-wide registry keyed by their address. Messages for a
 transfer that is not expected yet are kept until it is (as UCX's unexpected queue does); messages
-for a transfer that failed are dropped. Transfer state runs on the receiver's loop thread.
+for a transfer that is over (completed or failed: its reservation's generation is gone) are
+dropped and counted as stale (fence.py). A message lands whole on the receiver's loop thread, so
+a transfer settles as soon as it is over. Transfer state runs on the receiver's loop thread.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from pdserve.transfer.base import KVTransport, PeerHandle, check_layer
 from pdserve.transfer.errors import PeerUnreachableError, TransferError
+from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import (
     KVLayout,
     LayerHeader,
@@ -45,7 +48,8 @@ class LoopbackTransport(KVTransport):
         self._closed = False
         self._recvs: dict[int, RecvTransfer] = {}
         self._unexpected: dict[int, list[torch.Tensor]] = {}
-        self._failed: set[int] = set()
+        self._over: set[int] = set()  # transfer ids (generations) that are over: never reused
+        self.fence = BlockFence()
         self._raw_address = f"loopback-{next(_ids)}".encode()
         with _registry_lock:
             _registry[self._raw_address] = self
@@ -57,14 +61,19 @@ class LoopbackTransport(KVTransport):
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._loop.loop)
-        self._call(self._start_recv, transfer)
+        self.fence.claim(transfer)
+        try:
+            self._call(self._start_recv, transfer)
+        except BaseException:
+            self.fence.release(transfer)
+            raise
         return transfer
 
     def _start_recv(self, transfer: RecvTransfer) -> None:
         tid = transfer.transfer_id
         if self._closed:
             raise TransferError("transport closed")
-        if tid in self._recvs or tid in self._failed:
+        if tid in self._recvs or tid in self._over:
             raise ValueError(f"transfer id {tid} is in use (or was)")
         self._recvs[tid] = transfer
         transfer.start(self._recv_finished)
@@ -73,15 +82,16 @@ class LoopbackTransport(KVTransport):
 
     def _recv_finished(self, transfer: RecvTransfer) -> None:
         self._recvs.pop(transfer.transfer_id, None)
-        if transfer.error is not None:
-            self._failed.add(transfer.transfer_id)
+        self._over.add(transfer.transfer_id)
 
     def _deliver(self, tid: int, message: torch.Tensor) -> None:
         """``tid`` travels beside the message, as UCX's tag does: a header may be unreadable."""
         transfer = self._recvs.get(tid)
         if transfer is not None:
             transfer.deliver(message)
-        elif tid not in self._failed:
+        elif tid in self._over:
+            self.fence.count_stale()  # its reservation is over: fenced off, dropped
+        else:
             self._unexpected.setdefault(tid, []).append(message)
 
     # -- sender -------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ views into a transport-owned buffer that are valid only during the call."""
 class PoolDestination:
     """Land the transfer in blocks ``block_ids`` (in the transfer's block order) of every layer's
     K and V pool ``[pool_blocks, *block_shape]``. The blocks belong to the receiver's reservation
-    until the transfer's ``wait`` has returned or raised; nothing else may write them meanwhile."""
+    until the transfer has settled (``RecvTransfer.settled``: after its ``wait`` returned or
+    raised, and no receive into them is under way); nothing else may write them meanwhile."""
 
     k_pools: Sequence[torch.Tensor]
     v_pools: Sequence[torch.Tensor]

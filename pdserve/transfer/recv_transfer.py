@@ -43,7 +43,9 @@ class RecvTransfer:
     """Receiver-side handle of one transfer, returned by ``KVTransport.expect``.
 
     State changes only on the transport's thread; ``wait``, ``done``, ``cancel`` and ``await``
-    are safe from any thread or event loop.
+    are safe from any thread or event loop. ``future`` ends when the transfer is over (completed,
+    or failed: at once); ``settled`` when nothing can land in the destination any more, which is
+    when its blocks may be freed: before ``future`` unless a message was half-way in (fence.py).
     """
 
     def __init__(
@@ -78,9 +80,14 @@ class RecvTransfer:
         self._started = time.perf_counter()
         self._finish_callbacks: list[Callable[[RecvTransfer], None]] = []
         self._timer: Cancellable | None = None
-        self.over = False  # completed or failed (the future may follow later: hold_failure)
+        self.over = False  # completed or failed
         self.error: BaseException | None = None
-        self._hold_s = 0.0
+        # done once nothing can land in the destination any more: every receive into it has
+        # completed or been cancelled (the blocks may be freed then, not before; see ``settled``)
+        self.settled: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._in_flight = 0  # receives into the destination that could not be cancelled
+        self.expired = False  # settled by expire_settle with receives still under way
+        self.on_late_write: Callable[[], None] | None = None
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -116,11 +123,32 @@ class RecvTransfer:
         self._finish_callbacks.append(on_finish)
         self._timer = self._loop.call_at(self.deadline, self._on_deadline)
 
-    def hold_failure(self, seconds: float) -> None:
-        """From an ``on_finish`` callback of a failing transfer: fail the future (on which the
-        caller frees the blocks) only ``seconds`` later, for writes into the blocks that the
-        transport could not cancel (a direct transfer's matched receives, ucx_direct_recv.py)."""
-        self._hold_s = max(self._hold_s, seconds)
+    def hold_settle(self) -> None:
+        """A receive into the destination could not be cancelled (its data is on the way: a
+        direct transfer's matched receive, ucx_direct_recv.py): ``settled`` waits for it. Called
+        from an ``on_finish`` callback; ``release_settle`` when the receive has completed."""
+        self._in_flight += 1
+
+    def release_settle(self) -> None:
+        self._in_flight -= 1
+        if self.expired and self.on_late_write is not None:
+            self.on_late_write()  # landed after the blocks were given up: a fence violation
+        if self._in_flight == 0 and self.over and not self.settled.done():
+            self.settled.set_result(None)
+
+    def expire_settle(self, on_late_write: Callable[[], None]) -> bool:
+        """Give up waiting for the receives still under way (their sender may be dead: UCX does
+        not say): settle now. Each of them that completes later calls ``on_late_write``."""
+        if not self.unsettled:
+            return False
+        self.expired, self.on_late_write = True, on_late_write
+        self.settled.set_result(None)
+        return True
+
+    @property
+    def unsettled(self) -> bool:
+        """Over, but a receive into the destination is still under way (``hold_settle``)."""
+        return self.over and self._in_flight > 0
 
     def layer_complete(self, layer: int) -> bool:
         return self._blocks_landed[layer] >= self.num_blocks
@@ -229,12 +257,11 @@ class RecvTransfer:
         if self._timer is not None:
             self._timer.cancel()
         self.over, self.error = True, exc
+        for fn in self._finish_callbacks:  # they cancel the receives, and may hold_settle()
+            fn(self)
+        if self._in_flight == 0 and not self.settled.done():  # before the future: its
+            self.settled.set_result(None)  # waiters may free the blocks at once
         if exc is None:
             self.future.set_result(stats)  # type: ignore[arg-type]
-        for fn in self._finish_callbacks:  # on failure they may hold_failure()
-            fn(self)
-        if exc is not None:
-            if self._hold_s > 0:
-                self._loop.call_at(time.monotonic() + self._hold_s, self.future.set_exception, exc)
-            else:
-                self.future.set_exception(exc)
+        else:
+            self.future.set_exception(exc)

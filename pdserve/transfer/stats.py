@@ -39,3 +39,14 @@ class TransferStats:
             f"transfer {self.transfer_id}: {self.nbytes} bytes in {self.seconds * 1e3:.2f} ms "
             f"({self.gbps:.2f} GB/s, {self.num_messages} messages)"
         )
+
+
+@dataclass(frozen=True)
+class TransportCounters:
+    """What a receiving transport fenced off since it started (``KVTransport.counters``)."""
+
+    stale_messages: int = 0  # messages of a transfer that was over, dropped without landing
+    unsettled_transfers: int = 0  # over, but a receive into their blocks is still under way
+    unsettled_blocks: int = 0  # the blocks of those: held, not free, until the receives end
+    fences_expired: int = 0  # transfers settled by fence_timeout_s with a receive still under way
+    late_writes: int = 0  # receives of those that completed later: wrote into freed blocks

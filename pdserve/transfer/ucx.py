@@ -40,8 +40,13 @@ Failures, each tried here with processes on loopback and SIGKILL:
   * receiver gone: the first send to it fails at once ("Shared memory error"); if the sender had
     already talked to it, sends never complete: the first to pass its timeout aborts the endpoint
     (UCX cannot cancel a rendezvous send), failing every pending send to that peer;
-  * a receiver drains (takes and drops) late messages of a failed transfer for ``drain_seconds``,
-    so a live but late sender completes instead of timing out and aborting its endpoint.
+  * a receiver drains (takes, drops and counts as stale) late messages of a failed transfer until
+    ``drain_seconds`` after its deadline (a sender posts nothing after its own), so a live but late
+    sender completes instead of timing out and aborting its endpoint;
+  * a sender stopped (SIGSTOP) in the middle of a message writes the rest of it after SIGCONT,
+    even though the receiver cancelled the receive (UCX cannot cancel a matched one): the
+    transfer settles only when that receive completes, and only then are its blocks freed
+    (fence.py, ucx_direct_recv.py).
 
 Throughput and where the time goes: docs/benchmarks.md ("KV transfer"). Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
 (cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
@@ -55,6 +60,7 @@ import concurrent.futures
 import torch
 
 from pdserve.transfer.base import KVTransport, PeerHandle
+from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout, LayerHeader, pack_address
 from pdserve.transfer.pool_copy import KVDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
@@ -74,6 +80,10 @@ DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
 # rendezvous: a send completes only once the receiver has matched it.
 CPU_UCX_OPTIONS = {"RNDV_SCHEME": "am"}
 DEFAULT_MAX_SEGMENTS = 2  # direct up to this many segments, else gathered (docs/benchmarks.md)
+# How long a failed transfer's blocks stay held for a message that was half-way in when it failed
+# (fence.py): UCX cannot tell a dead sender (whose message never ends) from a stopped one. None:
+# for ever. Past it the blocks are freed and a write that still lands is counted (late_writes).
+DEFAULT_FENCE_TIMEOUT_S = 120.0
 
 
 class UCXTransport(KVTransport):
@@ -86,6 +96,7 @@ class UCXTransport(KVTransport):
         recv_window: int = 8,
         drain_seconds: float = 30.0,
         max_segments: int = DEFAULT_MAX_SEGMENTS,
+        fence_timeout_s: float | None = DEFAULT_FENCE_TIMEOUT_S,
     ) -> None:
         if recv_window < 1:
             raise ValueError(f"recv_window must be >= 1, got {recv_window}")
@@ -101,6 +112,7 @@ class UCXTransport(KVTransport):
         )
         self._address = pack_address(layout, bytes(self._ucx.worker.address))
         self._sender = UCXSender(self._ucx, layout, self._messages)
+        self.fence = BlockFence()
         self._receiver = UCXReceiver(
             self._ucx,
             layout,
@@ -110,6 +122,8 @@ class UCXTransport(KVTransport):
             recv_window=recv_window,
             drain_seconds=drain_seconds,
             max_segments=max_segments,
+            fence=self.fence,
+            fence_timeout_s=fence_timeout_s,
         )
         if max_segments >= 1:
             self.direct = UCXDirectPath(self._sender, layout, pool_bytes, max_segments)

@@ -9,11 +9,16 @@ direct transfer lands in a message buffer per layer that then goes through the t
 framed message. A layer counts as landed when its 2 x segments data messages have; the last one,
 when the trailer (which carries the first token) has too.
 
-Cancelling. A receive that UCX has matched to a message cannot be cancelled: the sender may be
-writing into it. A failed transfer that lands in the pools therefore fails its future (on which
-the caller frees the blocks) ``SETTLE_S`` after its receives were cancelled, time for a write
-already under way to finish. A sender that stops for longer in the middle of a write (SIGSTOP)
-could still write into blocks freed meanwhile; one that dies cannot.
+Fencing (docs/architecture.md, "Fenced KV blocks"). A data message carries no header: what fences
+it is its tag, which holds the transfer id, the generation of the reservation it was sent for.
+Receives are posted only for a live reservation; when its transfer ends they are cancelled, and a
+late message with that tag then matches nothing of the pools (the receiver drains and counts it,
+ucx_recv.py). A receive that UCX had already matched cannot be cancelled: its data is still on
+the way (measured: a sender stopped by SIGSTOP in the middle of a message writes the rest into the
+posted buffer after SIGCONT, cancel or not). So ``cancel_all`` cancels every receive, and each one
+that is not over at once holds the transfer's ``settled`` until it completes; the caller frees
+the blocks on ``settled``, not after a fixed delay (the one bound: ``fence_timeout_s``, for a
+sender that never finishes its message, fence.py).
 """
 
 from __future__ import annotations
@@ -36,8 +41,6 @@ from pdserve.transfer.pool_copy import PoolDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.ucx_buffers import Message, MessagePool, PoolBytes, pool_ok, ucx_array
 from pdserve.transfer.ucx_runtime import UCXWorkerThread
-
-SETTLE_S = 0.2
 
 
 class DirectReceive:
@@ -184,9 +187,17 @@ class DirectReceive:
         self.transfer.deliver(msg.buf, layer, (msg.k, msg.v), msg.head, nbytes=nbytes)
         self.messages.give(msg)
 
-    def cancel_all(self) -> bool:
-        """Cancel every receive still posted; whether any of them was into the pools."""
+    def cancel_all(self) -> int:
+        """Cancel every receive still posted; returns how many could not be (matched: their data
+        is on the way). Each of those into the pools holds the transfer's ``settled`` until it
+        completes; a staged one keeps its message buffer (never reused) until then."""
         pending, self.pending = self.pending, {}
-        for request, array in pending.values():
-            self.ucx.forget(request, array)
-        return self.pools is not None and len(pending) > (1 if TRAILER_SUB in pending else 0)
+        transfer, stuck = self.transfer, 0
+        for sub, (request, array) in pending.items():
+            into_pools = self.pools is not None and sub != TRAILER_SUB
+            release = transfer.release_settle if into_pools else None
+            if not self.ucx.retire(request, array, self.staged, on_over=release):
+                stuck += 1  # its completion is reported in a later pass, after this hold
+                if into_pools:
+                    transfer.hold_settle()
+        return stuck

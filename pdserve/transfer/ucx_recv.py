@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.transfer.errors import HeaderMismatchError, PeerUnreachableError, TransferError
+from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout
 from pdserve.transfer.plan import (
     PLAN_NBYTES,
@@ -32,7 +33,7 @@ from pdserve.transfer.plan import (
 from pdserve.transfer.pool_copy import KVDestination, PoolDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.ucx_buffers import Message, MessagePool, PoolBytes
-from pdserve.transfer.ucx_direct_recv import SETTLE_S, DirectReceive
+from pdserve.transfer.ucx_direct_recv import DirectReceive
 from pdserve.transfer.ucx_runtime import UCXWorkerThread, call_or_closed
 
 ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << SUB_BITS) - 1)
@@ -72,6 +73,8 @@ class UCXReceiver:
         recv_window: int,
         drain_seconds: float,
         max_segments: int,
+        fence: BlockFence,
+        fence_timeout_s: float | None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -79,6 +82,8 @@ class UCXReceiver:
         self.drain_seconds = drain_seconds
         self.max_segments = max_segments  # landed direct in the pools up to this many segments
         self.closed = False
+        self.fence = fence
+        self.fence_timeout_s = fence_timeout_s
         self._ucx = ucx
         self._messages = messages
         self._pool_bytes = pool_bytes
@@ -87,7 +92,12 @@ class UCXReceiver:
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._ucx)
-        call_or_closed(self._ucx, self._start_recv, transfer)
+        self.fence.claim(transfer)
+        try:
+            call_or_closed(self._ucx, self._start_recv, transfer)
+        except BaseException:
+            self.fence.release(transfer)
+            raise
         return transfer
 
     # -- worker thread ------------------------------------------------------------------------
@@ -160,8 +170,10 @@ class UCXReceiver:
         """The transfer comes direct: cancel the framed receives (none matched)."""
         for slot in rec.slots:
             if slot.request is not None:
-                self._ucx.forget(slot.request)
+                over = self._ucx.retire(slot.request, slot.msg)
                 slot.request = None
+                if not over:  # matched after all: the buffer is UCX's until it completes
+                    continue
             self._messages.give(slot.msg)
         rec.slots = []
 
@@ -182,13 +194,16 @@ class UCXReceiver:
         if rec is None:
             return
         if rec.plan is not None:
-            self._ucx.forget(*rec.plan)
+            self._ucx.retire(*rec.plan)
             rec.plan = None
-        if rec.direct is not None and rec.direct.cancel_all() and transfer.error is not None:
-            transfer.hold_failure(SETTLE_S)  # a write into the pools may be under way
+        if rec.direct is not None:  # a receive it cannot cancel holds transfer.settled
+            rec.direct.cancel_all()
+            if transfer.unsettled and self.fence_timeout_s is not None:
+                when = time.monotonic() + self.fence_timeout_s
+                self._ucx.call_at(when, self.fence.expire, transfer)
         for slot in rec.slots:
-            if slot.request is not None:  # still posted: cancel it
-                self._ucx.forget(slot.request, slot.msg)
+            if slot.request is not None:  # still posted: cancel it (its buffer is not reused)
+                self._ucx.retire(slot.request, slot.msg)
                 slot.request = None
             elif slot.layer < transfer.num_layers:
                 self._messages.give(slot.msg)
@@ -202,7 +217,9 @@ class UCXReceiver:
         tid = transfer.transfer_id
         slot = _Slot(0, self._messages.take(transfer.num_blocks, self.device))
         self._draining[tid] = slot
-        self._ucx.call_at(time.monotonic() + self.drain_seconds, self._stop_drain, tid)
+        # a live sender sends nothing after its deadline, which is at most the transfer's
+        until = max(time.monotonic(), transfer.deadline) + self.drain_seconds
+        self._ucx.call_at(until, self._stop_drain, tid)
         self._post_drain(tid, slot)
 
     def _post_drain(self, tid: int, slot: _Slot) -> None:
@@ -215,13 +232,14 @@ class UCXReceiver:
 
     def _drained(self, tid: int, slot: _Slot) -> None:
         slot.request = None
+        self.fence.count_stale()  # late: its reservation is over (fenced off)
         if self._draining.get(tid) is slot:
             self._post_drain(tid, slot)
 
     def _stop_drain(self, tid: int) -> None:
         slot = self._draining.pop(tid, None)
         if slot is not None and slot.request is not None:
-            self._ucx.forget(slot.request, slot.msg)
+            self._ucx.retire(slot.request, slot.msg)
             slot.request = None
 
     def _pre_post(self, rec: _Recv) -> None:

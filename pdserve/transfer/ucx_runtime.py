@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
+import functools
 import heapq
 import itertools
 import os
@@ -70,6 +72,7 @@ class UCXWorkerThread:
         self._seq = itertools.count()
         self._watched: list[tuple[Any, Completion]] = []
         self._forgotten: set[int] = set()  # ids of requests forgotten while _reap runs callbacks
+        self.retiring = 0  # receives retired while matched: their data may still land (retire)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -154,6 +157,46 @@ class UCXWorkerThread:
         self._watched = [(r, cb) for r, cb in self._watched if r is not request]
         self._forgotten.add(id(request))
         self.call_at(time.monotonic() + QUARANTINE_S, _noop, keep_alive)
+
+    def retire(
+        self, request: Any, *keep_alive: Any, on_over: Callable[[], None] | None = None
+    ) -> bool:
+        """Cancel the receive ``request`` and stop reporting it; whether it is over now. One that
+        UCX has matched cannot be cancelled (``cancel``): it stays watched, its buffers
+        (``keep_alive``) referenced, until it completes, and then ``on_over()`` runs. Nothing is
+        freed on a timer: a sender stopped in the middle of a message may resume any time."""
+        if _request_cancel() is None:  # another ucxx build: the old way, a quarantine
+            self.forget(request, *keep_alive)
+            return True
+        self._watched = [(r, cb) for r, cb in self._watched if r is not request]
+        self._forgotten.add(id(request))
+        if self.cancel(request):
+            return True
+        self.retiring += 1
+        held = [keep_alive]
+
+        def over(_: BaseException | None) -> None:
+            self.retiring -= 1
+            held.clear()  # the buffers may go now
+            if on_over is not None:
+                on_over()
+
+        self._watched.append((request, over))
+        return False
+
+    def cancel(self, request: Any) -> bool:
+        """Cancel ``request`` and say whether it is over now. A receive that UCX has not matched
+        yet completes at once (UCXXCanceledError, reported to its ``watch`` callback); one that is
+        matched cannot be cancelled: its data is still on the way (a rendezvous in progress, whose
+        sender may be stopped) and it completes when the data has landed. Without ucxx's
+        ``RequestTag::cancel`` (another ucxx build) it is forgotten instead (dropping it cancels
+        it too, unobserved) and reported as over."""
+        fn = _request_cancel()
+        if fn is None:
+            self.forget(request)
+            return True
+        fn(request.ucxx_ptr)
+        return bool(request.completed)
 
     def array(self, buf: torch.Tensor) -> Any:
         """A ucxx view of ``buf``'s memory (no copy): numpy on CPU, CUDA array interface on GPU."""
@@ -283,3 +326,21 @@ def call_soon_or_closed(ucx: UCXWorkerThread, fn: Callable[..., Any], *args: Any
 
 def _noop(*_: Any) -> None:
     pass
+
+
+@functools.cache
+def _request_cancel() -> Any:
+    """``ucxx::RequestTag::cancel()`` (a tag request's override of ``Request::cancel``) of the
+    loaded libucxx, which ucxx's Python API does not expose (it cancels a request only in its
+    destructor, i.e. when the request is dropped, unobserved). ``UCXRequest.ucxx_ptr`` is the
+    request object's address; ``RequestTag`` derives from ``Request`` alone."""
+    try:
+        import libucxx
+
+        path = os.path.join(os.path.dirname(libucxx.__file__), "lib64", "libucxx.so")
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        fn = lib._ZN4ucxx10RequestTag6cancelEv
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p], None
+    return fn

@@ -180,6 +180,11 @@ class UCXSender:
         if not peer.alive or peer.endpoint is None:
             send.result.set_exception(PeerUnreachableError(f"{send.where}: peer was disconnected"))
             return
+        if send.deadline <= time.monotonic():  # e.g. this process was stopped: never post late
+            send.result.set_exception(
+                TransferTimeoutError(f"{send.where}: deadline passed before it was sent")
+            )
+            return
         ucx = self._ucx
         msg = send.msg
         if msg.array is None:

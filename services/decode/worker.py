@@ -11,10 +11,11 @@ stream()                     await all layers (deadline)
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from pdserve.services import lifecycle
 
 from pdserve import rpc, telemetry
 from pdserve.engine import AdmissionError, LLMEngine
@@ -31,8 +32,8 @@ from pdserve.transfer import (
 )
 
 
-async def _settled(recv: RecvTransfer) -> None:
-    """Until the transfer is over, whichever way it ends."""
+async def _over(recv: RecvTransfer) -> None:
+    """Until the transfer is over, whichever way it ends (it may not have settled yet)."""
     if recv.future.cancelled():
         return
     try:
@@ -96,6 +97,20 @@ class _Generation:
         telemetry.end_span(self.span, error)
 
 
+class _Probe(_Generation):
+    """A gateway's liveness probe (request id ``probe-<n>``, see services/gateway/watchdog.py):
+    served like any request, but not counted, logged or traced as one."""
+
+    def __init__(self) -> None:
+        pass
+
+    def add(self, out: RequestOutput) -> None:
+        pass
+
+    def close(self, error: BaseException | str | None = None) -> None:
+        pass
+
+
 class DecodeWorker:
     def __init__(
         self, engine: LLMEngine, transport: KVTransport | None, metrics: WorkerMetrics | None = None
@@ -107,7 +122,9 @@ class DecodeWorker:
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this decode worker is draining (shutting down)")
         self.loop = EngineLoop(engine, step_seconds=self.metrics.step_seconds.labels(phase).observe)
-        self._transfer_ids = itertools.count(1)
+        self._unsettled: set[asyncio.Task[None]] = set()  # blocks freed once a write has landed
+        if transport is not None:
+            self.metrics.watch_transport(transport.counters)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop.start(loop)
@@ -155,7 +172,7 @@ class DecodeWorker:
             raise ValueError("this worker has no KV transport; send prefill_locally requests")
         landing = await self.loop.call(lambda e: e.reserve_request(prompt_ids, params, request_id))
         blocks = landing.block_ids
-        transfer_id = next(self._transfer_ids)
+        transfer_id = landing.generation  # never reused: fences off every earlier owner's KV
         try:
             dest = PoolDestination(landing.k_pools, landing.v_pools, blocks)
             recv = self.transport.expect(transfer_id, dest, kv_timeout_s)
@@ -230,10 +247,22 @@ class DecodeWorker:
         if adm.done:
             return
         adm.done = True
+        rid = adm.request_id
         adm.recv.cancel("request ended before its KV arrived")
-        # No KV may land in blocks after they are freed: wait until the transfer is over.
-        await _settled(adm.recv)
-        await self.loop.cleanup(lambda e: e.abort_request(adm.request_id))
+        await _over(adm.recv)
+        if adm.recv.settled.done():
+            await self.loop.cleanup(lambda e: e.abort_request(rid))
+            return
+        # A message was half-way in when the transfer failed (its sender may be stopped): no KV
+        # may land in blocks after they are freed, so they stay held until it has completed.
+        await self.loop.cleanup(lambda e: (e.hold_landing(rid), e.abort_request(rid)))
+        task = asyncio.create_task(self._free_when_settled(adm))
+        self._unsettled.add(task)
+        task.add_done_callback(self._unsettled.discard)
+
+    async def _free_when_settled(self, adm: Admission) -> None:
+        await asyncio.wrap_future(adm.recv.settled)
+        await self.loop.cleanup(lambda e: e.release_held(adm.request_id))
 
     async def generate_local(
         self,
@@ -245,8 +274,16 @@ class DecodeWorker:
         """Colocated: prefill and decode here, no transfer."""
         q = self.loop.open_stream(request_id)
         finished = False
-        gen = _Generation(
-            self.metrics, request_id, parent, prompt_tokens=len(prompt_ids), prefill_locally=True
+        gen = (
+            _Probe()
+            if request_id.startswith(lifecycle.PROBE_PREFIX)
+            else _Generation(
+                self.metrics,
+                request_id,
+                parent,
+                prompt_tokens=len(prompt_ids),
+                prefill_locally=True,
+            )
         )
         error: BaseException | None = None
         try:

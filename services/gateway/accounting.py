@@ -30,6 +30,7 @@ class GatewayRequest:
         stream: bool,
     ) -> None:
         self.request_id = request_id
+        self.worker_request_id = request_id  # what the workers know it by (Gateway.open)
         self.metrics = metrics
         self.policy = policy
         self.span = telemetry.start_span(
@@ -57,7 +58,9 @@ class GatewayRequest:
             "request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens, **extra
         )
 
-    def routed(self, mode: str, decode: str, prefill: str, attempt: int) -> None:
+    def routed(
+        self, mode: str, decode: str, prefill: str, attempt: int, placement: str = ""
+    ) -> None:
         """Record one routing decision as a ``router.pick`` span (it takes no measurable time)."""
         now = time.time_ns()
         telemetry.record_span(
@@ -71,11 +74,12 @@ class GatewayRequest:
                 "decode": decode,
                 "prefill": prefill,
                 "attempt": attempt,
+                "placement": placement,
             },
         )
         if attempt == 0:
             self.metrics.queue_seconds.observe(time.perf_counter() - self.opened)
-        if mode != "disaggregated":
+        if mode != "disaggregated" and not placement:  # not by choice: no prefill worker
             self.metrics.without_disaggregation.inc()
         self.span.set_attributes(
             {
@@ -83,9 +87,17 @@ class GatewayRequest:
                 "decode_worker": decode,
                 "prefill_worker": prefill,
                 "attempts": attempt + 1,
+                "placement": placement,
             }
         )
-        self.log.info("request.routed", mode=mode, decode=decode, prefill=prefill, attempt=attempt)
+        self.log.info(
+            "request.routed",
+            mode=mode,
+            decode=decode,
+            prefill=prefill,
+            attempt=attempt,
+            placement=placement,
+        )
 
     def tokens(self, n: int, text: str, finish_reason: str) -> None:
         if n:

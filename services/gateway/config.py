@@ -15,7 +15,21 @@ class GatewayConfig:
     prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a
     request without a deadline waits while every decode worker is full; ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
-    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open)."""
+    None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
+    ``local_prefill_tokens`` and ``decode_prefill_budget_s``: when a decode worker prefills a
+    prompt itself instead of a prefill worker (``placement.py``); a budget of 0 always
+    disaggregates.
+
+    Hang detection (``watchdog.py``): each worker gets a fast probe (Stats, ``probe_timeout_s``)
+    every ``probe_interval_s`` (0 turns the watchdog off) and a real one (a 1-token generation)
+    every ``real_probe_interval_s``, both at once when it has calls running and no message from
+    it for ``suspect_after_s``. A failed fast probe (the process does not answer) is confirmed by
+    a real probe given ``real_probe_timeout_s``; a worker whose process answers gets
+    ``engine_timeout_s`` for its real probe (longer than two chunked-prefill steps). Failing,
+    and nothing arrived from it meanwhile: evicted. A stopped worker is evicted at most
+    max(suspect_after_s, probe_interval_s) + 0.25 + probe_timeout_s + real_probe_timeout_s after
+    its last progress (4.25 s by default); one whose engine alone is stuck, within
+    suspect_after_s + 0.25 + engine_timeout_s."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
@@ -24,12 +38,42 @@ class GatewayConfig:
     max_resumes: int = 3
     queue_timeout_s: float = 300.0
     api_keys_file: str | None = None
+    local_prefill_tokens: int = 32
+    decode_prefill_budget_s: float = 0.5
+    probe_interval_s: float = 1.0
+    real_probe_interval_s: float = 5.0
+    suspect_after_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    real_probe_timeout_s: float = 2.0
+    engine_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "kv_timeout_s", "queue_timeout_s"):
+        if not self.probe_interval_s >= 0:
+            raise ValueError(
+                f"probe_interval_s must be >= 0 seconds (0: no hang detection), "
+                f"got {self.probe_interval_s}"
+            )
+        for name in (
+            "lease_s",
+            "kv_timeout_s",
+            "queue_timeout_s",
+            "real_probe_interval_s",
+            "suspect_after_s",
+            "probe_timeout_s",
+            "real_probe_timeout_s",
+            "engine_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:
+            raise ValueError(
+                f"local_prefill_tokens must be an integer >= 0, got {self.local_prefill_tokens!r}"
+            )
+        if not self.decode_prefill_budget_s >= 0:
+            raise ValueError(
+                f"decode_prefill_budget_s must be >= 0 seconds, got {self.decode_prefill_budget_s}"
+            )
         if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
             raise ValueError(f"max_resumes must be an integer >= 0, got {self.max_resumes!r}")

@@ -17,14 +17,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
+from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.gateway.prompt import Prompt, encode
+from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
 from pdserve.services.gateway.router import Router
 
@@ -37,7 +40,7 @@ from pdserve.text import TextStream
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import worker_pb2
 from pdserve.v1.convert import logprobs_from_proto, sampling_to_proto
-from pdserve.validation import validate_prompt
+from pdserve.validation import validate_prompt, validate_request_id
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -95,8 +98,15 @@ class Gateway:
         self.keys = keys or KeyStore({})  # none: open to every caller
         self.limiter = Limiter(self.metrics)
         self._ids = itertools.count()
+        self._instance = secrets.token_hex(3)  # this gateway's, in the ids it makes
+        self._max_chars = max_prompt_chars(tokenizer, max_model_len)
         # closed while the gateway drains: new requests get UNAVAILABLE, running ones finish
         self.gate = Gate("the gateway is draining (shutting down)")
+
+    async def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """The prompt's token ids and text (``prompt.encode``): a text too long for the context in
+        any tokenization is refused before it is tokenized, a long one is tokenized off the loop."""
+        return await encode_async(prompt, self.tokenizer, self._max_chars)
 
     def authenticate(self, authorization: str | None) -> ApiKey | None:
         """The caller's key from an ``authorization`` header value (``Bearer <key>``), None when
@@ -110,23 +120,41 @@ class Gateway:
 
     def open(self, request_id: str, metadata, stream: bool) -> GatewayRequest:
         """Start accounting for a request (its span continues a traceparent in ``metadata``);
-        ``with`` it, it ends with the status the client gets."""
-        return GatewayRequest(
-            request_id or f"gw-{next(self._ids)}",
+        ``with`` it, it ends with the status the client gets. The request goes by
+        ``request_id``, or by an id made here when that is empty or one ``check_request_id``
+        refuses (logs and spans do not carry what a client may not send)."""
+        try:
+            validate_request_id(request_id)
+        except ValueError:
+            request_id = ""
+        n = next(self._ids)
+        req = GatewayRequest(
+            request_id or f"gw-{self._instance}-{n}",
             telemetry.from_metadata(metadata),
             self.metrics,
             self.model_name,
             self.router.policy,
             stream,
         )
+        # Ids on the workers must be unique: a client's id may repeat, and other gateways send
+        # to the same workers. Tries append ".<attempt>".
+        req.worker_request_id = (
+            req.request_id if not request_id else f"{request_id}@{self._instance}-{n}"
+        )
+        return req
 
     def check_model(self, model: str) -> None:
         """NOT_FOUND unless ``model`` is empty (the served one) or the one served here."""
         if model and model != self.model_name:
             raise GatewayError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; available: {self.model_name!r}",
+                f"model {model!r:.80} is not served here; available: {self.model_name!r}",
             )
+
+    def check_request_id(self, request_id: str, name: str = "request_id") -> None:
+        """ValueError (INVALID_ARGUMENT) unless ``request_id`` is one a client may send (``name``:
+        what its API calls it): both APIs call it ``with`` the request ``open`` gave them."""
+        validate_request_id(request_id, name)
 
     async def generate(
         self,
@@ -144,7 +172,7 @@ class Gateway:
         if caller is None:
             self.authenticate(None)  # refuses unless the gateway is open
         with self.gate.enter():
-            ids, prompt_text = encode(prompt, self.tokenizer)
+            ids, prompt_text = await self.encode(prompt)
             req.prepared(ids, params.max_tokens, prompt_text)
             validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
             text = TextStream(self.tokenizer, ids, params.stop)
@@ -214,6 +242,7 @@ class Gateway:
                     self.metrics.waiting.dec()
                 full.clear()
                 continue
+            sent_before = len(sent)
             try:
                 async for token_ids, logprobs, finish in stream:
                     delta = Delta(logprobs=logprobs)
@@ -232,7 +261,7 @@ class Gateway:
                         return
                 raise _WorkerFailed(None, "worker stream ended without a finish reason")
             except _WorkerFailed as e:
-                if sent:  # the client has tokens: go on from them on another worker
+                if len(sent) > sent_before:  # this try streamed, then failed: go on elsewhere
                     if e.worker is not None:
                         tried.add(e.worker.worker_id)
                         e.worker.failures += 1
@@ -248,7 +277,8 @@ class Gateway:
                     req.log.warning("request.resume", error=str(e), sent_tokens=len(sent))
                     req.span.add_event("resume", {"error": str(e), "sent_tokens": len(sent)})
                     continue
-                last_error = str(e)
+                # Failed before streaming (a resumed try too: it is admitted like a new request)
+                last_error = f"resuming after {len(sent)} tokens: {e}" if sent else str(e)
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.worker is not None:
                     full.add(e.worker.worker_id)
                     continue
@@ -269,7 +299,7 @@ class Gateway:
     def _pick(self, req: GatewayRequest, attempt: int, ids, params, timeout, exclude: set[str]):
         """The token stream of the next pair to try, or None when no worker is left."""
         # Each try has its own id on the workers: a cancelled try may still be winding down there.
-        rid = f"{req.request_id}.{attempt}"
+        rid = f"{req.worker_request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
         prefill = self.router.pick(self.registry.alive("prefill"), exclude)
         decode = self.router.pick(self.registry.alive("decode"), exclude) if prefill else None
@@ -284,7 +314,12 @@ class Gateway:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, ids, params, timeout, md)
-        req.routed("disaggregated", decode.address, prefill.address, attempt)
+        reason = placement.decide(len(ids), prefill, decode, self.config)
+        self.metrics.placement.labels(reason).inc()
+        if reason != placement.DISAGGREGATED:
+            req.routed("local:decode", decode.address, "", attempt, reason)
+            return self._local(decode, rid, ids, params, timeout, md)
+        req.routed("disaggregated", decode.address, prefill.address, attempt, reason)
         return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
 
     async def _released(self) -> None:
@@ -300,10 +335,15 @@ class Gateway:
         )
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
+        worker.local_prefill_tokens += len(ids)  # until its first token
+        prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
-        worker.calls.add(call)
+        worker.track(call)
         try:
             async for msg in _read(call, worker):
+                if prefilling:
+                    worker.local_prefill_tokens -= len(ids)
+                    prefilling = False
                 c = msg.tokens
                 yield (
                     list(c.token_ids),
@@ -312,6 +352,8 @@ class Gateway:
                 )
         finally:
             worker.outstanding_tokens -= cost
+            if prefilling:
+                worker.local_prefill_tokens -= len(ids)
             worker.calls.discard(call)
             call.cancel()
             await self._released()
@@ -331,7 +373,7 @@ class Gateway:
             timeout=timeout,
             metadata=md,
         )
-        decode.calls.add(call)
+        decode.track(call)
         prefill_done = False
         try:
             reader = _read(call, decode)
@@ -348,9 +390,13 @@ class Gateway:
                 timeout=timeout or self.config.kv_timeout_s,
                 metadata=md,
             )
-            prefill.calls.add(prefill_call)
+            prefill.track(prefill_call)
+            queued = prefill.outstanding_tokens - len(ids)
+            began = time.perf_counter()
             try:
                 resp = await prefill_call
+                prefill.progressed()
+                placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
                     prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
@@ -391,6 +437,7 @@ class _WorkerFailed(Exception):
 async def _read(call, worker: Worker):
     try:
         async for msg in call:
+            worker.progressed()
             yield msg
     except grpc.aio.AioRpcError as e:
         raise _WorkerFailed(

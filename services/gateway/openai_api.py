@@ -23,13 +23,13 @@ from pdserve.services.gateway.gateway import Delta
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 
 from pdserve.outputs import TokenLogprobs
-from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.rpc import MAX_MESSAGE_BYTES
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
-MAX_BODY_BYTES = 4 << 20  # as a gRPC message (rpc.MAX_MESSAGE_BYTES)
-MAX_STOP = 16  # stop strings per request
-MAX_STOP_CHARS = 256  # characters per stop string
-MAX_MESSAGES = 4096
+# The limits on what a request holds are the gRPC API's: SamplingParams' (pdserve/sampling_params.py),
+# the prompt's (prompt.py, pdserve/validation.py), and a body no larger than a gRPC message.
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Implemented nowhere here: accepted only at the value that means "off".
@@ -73,10 +73,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
     """``body[name]`` (``default`` when absent or null) if ``check`` accepts it, else RequestError."""
     v = body.get(name)
@@ -88,19 +84,21 @@ def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
 
 
 def _stop(body: dict) -> tuple[str, ...]:
+    """The JSON shape only; how many and how long is SamplingParams' to say."""
     v = body.get("stop")
     if v is None:
         return ()
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(
-            f"stop must be a non-empty string or a list of them, got {v!r:.80}", "stop"
-        )
-    if len(stops) > MAX_STOP:
-        raise RequestError(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise RequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(f"stop must be a string or a list of strings, got {v!r:.80}", "stop")
     return tuple(stops)
+
+
+def _value(body: dict, name: str, default: Any) -> Any:
+    """``body[name]``, ``default`` when absent or null; its type and range are SamplingParams'
+    to check."""
+    v = body.get(name)
+    return default if v is None else v
 
 
 def _common(body: dict, chat: bool) -> dict[str, Any]:
@@ -123,9 +121,9 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         "a boolean",
         False,
     )
-    max_tokens = _get(body, "max_tokens", _is_int, "an integer")
+    max_tokens = body.get("max_tokens")
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", _is_int, "an integer", max_tokens)
+        max_tokens = _value(body, "max_completion_tokens", max_tokens)
     if chat:
         want = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
         top = _get(body, "top_logprobs", _is_int, "an integer")
@@ -134,40 +132,31 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
         logprobs = (top or 0) if want else None
         logprobs_param = "top_logprobs"
     else:
-        logprobs = _get(body, "logprobs", _is_int, "an integer")
+        logprobs = body.get("logprobs")
         logprobs_param = "logprobs"
-    top_k = _get(body, "top_k", _is_int, "an integer", 0)
+    top_k = _value(body, "top_k", 0)
     fields = dict(
         max_tokens=max_tokens,
-        temperature=_get(body, "temperature", _is_number, "a number", 1.0),
-        top_p=_get(body, "top_p", _is_number, "a number", 1.0),
-        top_k=0 if top_k == -1 else top_k,  # -1: off, as vLLM spells it
-        seed=_get(body, "seed", _is_int, "an integer"),
+        temperature=_value(body, "temperature", 1.0),
+        top_p=_value(body, "top_p", 1.0),
+        top_k=0 if _is_int(top_k) and top_k == -1 else top_k,  # -1: off, as vLLM spells it
+        seed=body.get("seed"),
         stop=_stop(body),
-        ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        ignore_eos=_value(body, "ignore_eos", False),
         logprobs=logprobs,
     )
-    if not 0 <= fields["temperature"] <= 2:
-        raise RequestError(
-            f"temperature must be in [0, 2], got {fields['temperature']}", "temperature"
-        )
-    # what the workers' wire format holds (int64 seed, uint32 top_k)
-    if fields["seed"] is not None and not -(2**63) <= fields["seed"] < 2**63:
-        raise RequestError("seed must fit in a signed 64-bit integer", "seed")
-    if fields["top_k"] >= 2**32:
-        raise RequestError(f"top_k must be below 2**32, got {fields['top_k']}", "top_k")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise RequestError(
-            f"{logprobs_param} must be in [0, {MAX_LOGPROBS}], got {logprobs}", logprobs_param
-        )
     return {
         "model": model,
         "stream": stream,
         "include_usage": include_usage,
         "sampling": fields,
-        "max_tokens_param": "max_completion_tokens"
-        if chat and "max_completion_tokens" in body
-        else "max_tokens",
+        # the request's name of the fields that have two
+        "params": {
+            "max_tokens": "max_completion_tokens"
+            if chat and body.get("max_completion_tokens") is not None
+            else "max_tokens",
+            "logprobs": logprobs_param,
+        },
     }
 
 
@@ -178,12 +167,12 @@ def _params(common: dict[str, Any], default_max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except ValueError as e:
-        # SamplingParams' messages start with the field's name
-        first = str(e).split(" ", 1)[0]
-        param = {"max_tokens": common["max_tokens_param"], "logprobs": "logprobs"}.get(
-            first, first if first in fields else None
-        )
-        raise RequestError(str(e), param) from None
+        # SamplingParams' messages start with the field's name: told as the request names it
+        first, _, rest = str(e).partition(" ")
+        if first not in fields:
+            raise RequestError(str(e)) from None
+        param = common["params"].get(first, first)
+        raise RequestError(f"{param} {rest}", param) from None
 
 
 def parse_completion(body: Any) -> Request:
@@ -237,16 +226,18 @@ def parse_chat(body: Any, default_max_tokens: int) -> Request:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("messages must be a non-empty list of messages", "messages")
-    if len(msgs) > MAX_MESSAGES:
-        raise RequestError(f"messages: at most {MAX_MESSAGES} messages", "messages")
     chat = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
         chat.append(ChatMessage(m["role"], _content(i, m.get("content"))))
+    try:
+        prompt = Prompt(chat=tuple(chat))
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
     return Request(
         common["model"],
-        Prompt(chat=tuple(chat)),
+        prompt,
         _params(common, default_max_tokens),
         common["stream"],
         common["include_usage"],

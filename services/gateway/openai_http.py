@@ -26,7 +26,6 @@ from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway import openai_api as api
 from pdserve.services.gateway.auth import ApiKey
 from pdserve.services.gateway.gateway import Delta, Gateway
-from pdserve.services.gateway.prompt import encode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -77,7 +76,16 @@ class _ClientGone(Exception):
     pass
 
 
+def json_content_type(value: str | None) -> bool:
+    """A body the API reads: declared JSON, or not declared. Anything else (a form, text/plain)
+    is what a web page can make a browser send to another site without asking first: refusing it
+    keeps pages from using a visitor's network position against a gateway without keys."""
+    return value is None or value.split(";")[0].strip().lower() == "application/json"
+
+
 async def _read_json(request: Request) -> Any:
+    if not json_content_type(request.headers.get("content-type")):
+        raise _UnsupportedMediaType()
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > api.MAX_BODY_BYTES:
         raise _TooLarge()
@@ -88,9 +96,26 @@ async def _read_json(request: Request) -> Any:
             raise _TooLarge()
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise api.RequestError(f"the request body is not valid JSON: {e}"[:300]) from None
+    # JSON's \u escapes may spell half a surrogate pair, which no UTF-8 text holds: the tokenizer
+    # and the gRPC messages to the workers would fail on it
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end]
+        raise api.RequestError(
+            f"the request body has a string that is not valid Unicode ({bad!r}, half a surrogate "
+            "pair); every string must be UTF-8 text"
+        ) from None
+    except RecursionError:
+        raise api.RequestError("the request body is nested too deeply") from None
+    return body
+
+
+class _UnsupportedMediaType(Exception):
+    pass
 
 
 class _TooLarge(Exception):
@@ -166,7 +191,7 @@ class OpenAIApp:
             if chat:
                 r = api.parse_chat(body, default_max_tokens=1)
                 if not r.max_tokens_given:  # the rest of the context, as OpenAI does
-                    ids, _ = encode(r.prompt, gw.tokenizer)
+                    ids, _ = await gw.encode(r.prompt)
                     rest = max(gw.max_model_len - len(ids), 1)
                     r = dataclasses.replace(
                         r, params=dataclasses.replace(r.params, max_tokens=rest)
@@ -174,6 +199,16 @@ class OpenAIApp:
             else:
                 r = api.parse_completion(body)
             gw.check_model(r.model)
+        except _UnsupportedMediaType:
+            return JSONResponse(
+                api.error_body(
+                    "the request body must be JSON, with Content-Type: application/json",
+                    "invalid_request_error",
+                    None,
+                    "unsupported_media_type",
+                ),
+                415,
+            )
         except _TooLarge:
             return JSONResponse(
                 api.error_body(
@@ -216,6 +251,7 @@ class OpenAIApp:
         which ends with the status the client gets (CANCELLED when it went away)."""
         gw = self.gateway
         with gw.open(request_id, list(request.headers.items()), r.stream) as req:
+            gw.check_request_id(request_id, "the X-Request-Id header")
             deltas = gw.generate(req, r.prompt, r.params, None, caller)
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
@@ -330,6 +366,25 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0 picks a port).
+
+    Made with proto IPPROTO_TCP, not the 0 of ``socket.create_server``: asyncio disables Nagle's
+    algorithm (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP, and with Nagle on
+    a response's body waits on the client's delayed ACK of its head, some 40 ms an answer (and a
+    streamed token)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server does
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class OpenAIServer:
     """The HTTP API serving in the running event loop: ``await start()``, ``await stop()``;
     HTTPS with ``tls`` (its certificate and key; clients need no certificate)."""
@@ -352,8 +407,7 @@ class OpenAIServer:
 
     async def start(self) -> None:
         """Bind (OSError when the port is taken) and serve."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._sock = sock = socket.create_server((self.host, self.requested_port), family=family)
+        self._sock = sock = _listen(self.host, self.requested_port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app.app,

@@ -22,10 +22,17 @@ class Worker:
     lease_expires: float = float("inf")
     outstanding_tokens: int = 0  # of requests this gateway has in flight there
     failures: int = 0
+    prefill_rate: float | None = None  # prefill workers: prompt tokens/s measured (placement.py)
+    local_prefill_tokens: int = 0  # prompt tokens this worker is prefilling itself for us now
     channel: object = field(default=None, repr=False)
     # the gateway's calls running there now; evict() cancels them (their requests resume elsewhere)
     calls: set = field(default_factory=set, repr=False)
     evicted: str | None = None  # why it was evicted, until it registers again
+    # registered again after an eviction: not routed to until a probe passes (gateway/watchdog.py)
+    probation: bool = False
+    deregistered: bool = False  # it left (draining, unhealthy engine) until it registers again
+    # time.monotonic() of the last message the gateway read from it (watchdog.py's progress watch)
+    last_progress: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -36,8 +43,24 @@ class Worker:
             self.stub = worker_pb2_grpc.DecodeStub(self.channel)
 
     @property
-    def alive(self) -> bool:
+    def registered(self) -> bool:
+        """Listed with a lease running (or static) and not evicted: heartbeats are accepted."""
         return self.evicted is None and (self.static or time.monotonic() < self.lease_expires)
+
+    @property
+    def alive(self) -> bool:
+        """Routed to: registered and not on probation."""
+        return self.registered and not self.probation
+
+    def track(self, call) -> None:
+        """A call of the gateway's starts here: its progress is watched from now on."""
+        if not self.calls:
+            self.last_progress = time.monotonic()
+        self.calls.add(call)
+
+    def progressed(self) -> None:
+        """A message arrived from this worker (cheap: called per streamed message)."""
+        self.last_progress = time.monotonic()
 
     def evict(self, reason: str) -> None:
         """Stop routing here and cancel the calls running here: their requests see the worker
@@ -66,6 +89,9 @@ class WorkerRegistry:
         self.compat_hash: str | None = None  # of the first worker; every other must match
         # called when a worker registers or deregisters (a lease running out is seen by polling)
         self.on_change: Callable[[], None] | None = None
+        # set by the hang watchdog: an evicted worker that registers again is on probation (not
+        # routed to) until one of its probes passes
+        self.probation_on_rejoin = False
 
     def register(
         self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False
@@ -74,7 +100,7 @@ class WorkerRegistry:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if not address:
             raise ValueError("a worker must give its gRPC address")
-        live = [w for w in self.workers.values() if w.alive and w.worker_id != worker_id]
+        live = [w for w in self.workers.values() if w.registered and w.worker_id != worker_id]
         expected = live[0].compat_hash if live else None
         if expected is not None and compat_hash != expected:
             raise LayoutMismatchError(
@@ -83,7 +109,14 @@ class WorkerRegistry:
             )
         old = self.workers.get(worker_id)
         if old is not None and old.address == address and old.role == role:
+            if old.evicted is not None and old.calls:
+                # The calls evict() cancelled are still unwinding, and must see it evicted to
+                # resume elsewhere: it stays evicted, and its next heartbeat registers it again.
+                return old
+            if old.evicted is not None and self.probation_on_rejoin:
+                old.probation = True
             old.evicted = None
+            old.deregistered = False
             old.lease_expires = time.monotonic() + self.lease_s
             self._changed()
             return old
@@ -105,10 +138,11 @@ class WorkerRegistry:
         there. It stays listed, not alive, so requests running there keep its channel; it may
         register again. False if it was not alive here."""
         w = self.workers.get(worker_id)
-        if w is None or not w.alive:
+        if w is None or not w.registered:
             return False
         w.static = False
         w.lease_expires = 0.0
+        w.deregistered = True
         self._changed()
         return True
 
@@ -121,9 +155,16 @@ class WorkerRegistry:
         worker.evict(reason)
         self._changed()
 
+    def rejoined(self, worker: Worker) -> None:
+        """A worker on probation passed a probe: routed to again, its failures forgotten (they
+        led to its eviction; least_loaded would otherwise pass it over while another is idle)."""
+        worker.probation = False
+        worker.failures = 0
+        self._changed()
+
     def heartbeat(self, worker_id: str) -> bool:
         w = self.workers.get(worker_id)
-        if w is None or not w.alive:
+        if w is None or not w.registered:
             return False
         w.lease_expires = time.monotonic() + self.lease_s
         return True

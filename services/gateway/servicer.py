@@ -71,6 +71,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with gw.open(request.request_id, metadata, stream) as req:
             caller = gw.authenticate(authorization(metadata))
             gw.check_model(request.model)
+            gw.check_request_id(request.request_id)
             params = sampling_from_proto(request.sampling)
             deltas = gw.generate(
                 req, prompt_from_proto(request), params, context.time_remaining(), caller

@@ -54,7 +54,11 @@ def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=
     (a fresh one unless ``env`` has PDSERVE_CLUSTER_TOKEN)."""
     env = {"PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
     proc, address, metrics, *_ = start_process(
-        ["gateway", "--port", "0", "--http-port", "-1", *gateway_args], env=env, stderr=stderr
+        # every prompt disaggregated (tests see the roles they started), unless gateway_args say
+        ["gateway", "--port", "0", "--http-port", "-1", "--decode-prefill-budget", "0"]
+        + list(gateway_args),
+        env=env,
+        stderr=stderr,
     )
     c = Cluster(address, env=env)
     c.procs.append(proc)

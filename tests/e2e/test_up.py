@@ -59,7 +59,7 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
                 address = line.split()[5]
             if line.startswith("OpenAI-compatible HTTP API: "):
                 base_url = line.split()[-1]
-            if line.startswith("processes: "):  # "processes: gateway pid 1, prefill-0 pid 2, ..."
+            if line.startswith("processes: "):  # "processes: gateway pid 1 at host:port, ..."
                 pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
                 break
         assert address and base_url, f"pdserve up exited with {up.wait()} before it was up"

@@ -114,3 +114,15 @@ def test_retained_blocks_stay_in_use_until_freed_again():
     assert a.num_free_blocks == 2
     with pytest.raises(ValueError, match="not in use"):
         a.retain([blocks[0]])
+
+
+def test_every_allocation_has_a_new_generation_and_free_blocks_have_none():
+    a = BlockAllocator(4)
+    first = a.allocate(2)
+    gen = a.generation_of(first[0])
+    assert gen > 0 and all(a.generation_of(b) == gen for b in first)
+    assert a.generation_of(3) == 0  # free
+    a.free(first)
+    assert all(a.generation_of(b) == 0 for b in first)
+    again = a.allocate(2)
+    assert again == first and a.generation_of(again[0]) == a.generation > gen

@@ -187,7 +187,7 @@ def test_bad_input_is_a_clear_value_error(llm):
         llm.generate([[1] * 8000], SamplingParams(max_tokens=500))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 10**6]], SamplingParams())
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[0, 2\]"):
         llm.generate(["hi"], SamplingParams(temperature=-1))
     # Nothing leaked and the engine still serves.
     assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks

@@ -149,3 +149,29 @@ def test_decode_admission_refuses_at_once_when_full_and_frees_on_abort(tiny_mode
     e.reserve_request(list(range(1, 10)), params, "b")  # now it fits
     e.abort_request("b")
     assert e.num_free_blocks == 6
+
+
+def test_a_landing_held_for_an_unsettled_transfer_stays_allocated_until_released(tiny_model):
+    """Decode side: a reservation's generation is new every time; a request whose transfer has
+    not settled is aborted at once but its prompt blocks stay held (not handed out again) until
+    ``release_held``: a late write cannot reach a new owner."""
+    folder, _ = tiny_model("gqa_untied")
+    from pdserve.kv_cache.pool import bytes_per_block
+    from pdserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file(folder / "config.json")
+    e = engine(folder, kv_bytes=6 * bytes_per_block(cfg, 4, torch.float32))  # 6 blocks of 4 tokens
+    params = SamplingParams(max_tokens=8, temperature=0)
+    first = e.reserve_request(list(range(1, 10)), params, "a")  # 4 blocks, 3 for the prompt
+    assert first.generation > 0
+    e.hold_landing("a")
+    e.abort_request("a")
+    assert e.num_free_blocks == 3  # the 3 prompt blocks are held, the 4th is free
+    with pytest.raises(AdmissionError):
+        e.reserve_request(list(range(1, 10)), params, "b")
+    e.release_held("a")
+    assert e.num_free_blocks == 6
+    second = e.reserve_request(list(range(1, 10)), params, "b")
+    assert second.block_ids == first.block_ids and second.generation > first.generation
+    e.abort_request("b")
+    assert e.num_free_blocks == 6

@@ -61,20 +61,62 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert lps[0].top[1][1] == pytest.approx(ref[1].item())
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45])
+def test_a_tiny_temperature_picks_the_best_token(temperature):
+    """Not NaN's token 0: dividing the raw logits by it would overflow them to inf."""
+    logits = torch.tensor([[1.0, 5.0, 3.0, 0.5], [2.0, -1.0, 9.0, 9.5]])
+    rows = [row(temperature=temperature, seed=s) for s in (0, 1)]
+    tokens, _ = sample(logits, rows)
+    assert tokens == [1, 3]
+
+
 @pytest.mark.parametrize(
     "kw, msg",
     [
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (dict(temperature=-0.1), "temperature must be >= 0"),
-        (dict(temperature=float("nan")), "temperature must be >= 0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=-1), "top_k must be an integer >= 0"),
-        (dict(logprobs=21), "logprobs must be None or an integer in"),
+        (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
+        (dict(temperature=-0.1), r"temperature must be a number in \[0, 2\] \(0 is greedy\)"),
+        (dict(temperature=float("nan")), r"temperature must be a number in \[0, 2\].*got nan"),
+        (dict(temperature=float("inf")), r"temperature must be a number in \[0, 2\].*got inf"),
+        (dict(temperature=2.5), r"temperature must be a number in \[0, 2\].*got 2.5"),
+        (dict(temperature="1"), r"temperature must be a number in \[0, 2\].*got '1'"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
+        (dict(top_k=-1), r"top_k must be an integer in \[0, 2\*\*32\)"),
+        (dict(top_k=2**32), r"top_k must be an integer in \[0, 2\*\*32\).*got 4294967296"),
+        (dict(seed=2**63), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63\)"),
+        (dict(seed=1.5), r"seed must be None or an integer"),
+        (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\], got 21"),
+        (dict(logprobs=-1), r"logprobs must be None or an integer in \[0, 20\], got -1"),
         (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(stop=["s"] * 17), "stop takes at most 16 strings, got 17"),
+        (dict(stop=["s" * 257]), "stop strings may have at most 256 characters, got one of 257"),
+        (dict(stop=5), "stop must be a sequence, got 5"),
         (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+        (dict(stop_token_ids=[1] * 257), "stop_token_ids takes at most 256 ids, got 257"),
+        (dict(ignore_eos="yes"), "ignore_eos must be a boolean"),
     ],
 )
 def test_invalid_sampling_values_are_clear_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+def test_values_at_the_limits_are_accepted():
+    p = SamplingParams(
+        temperature=2,
+        top_k=2**32 - 1,
+        top_p=1,
+        seed=-(2**63),
+        stop=["s" * 256] * 16,
+        stop_token_ids=range(256),
+        logprobs=20,
+    )
+    assert len(p.stop) == 16 and len(p.stop_token_ids) == 256
+
+
+def test_an_error_message_stays_short_however_large_the_value():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=["x" * 100_000])
+    assert len(str(e.value)) < 200

@@ -138,6 +138,8 @@ class Cluster:
         http: bool = False,
         lease_s: float = GatewayConfig.lease_s,
         certs: dict[str, CertFiles] | None = None,
+        decode_prefill_budget_s: float = 0.0,
+        watchdog: dict[str, float] | None = None,
     ) -> None:
         self.model = model
         self.certs = certs
@@ -153,6 +155,12 @@ class Cluster:
                         queue_timeout_s=queue_timeout_s,
                         api_keys_file=api_keys_file,
                         lease_s=lease_s,
+                        # tests see the roles they started: every prompt disaggregated, unless a
+                        # test of placement.py asks otherwise
+                        decode_prefill_budget_s=decode_prefill_budget_s,
+                        # hang detection off unless asked for: its probes would race the tests
+                        # that stop workers and count retries
+                        **({"probe_interval_s": 0.0} if watchdog is None else watchdog),
                     ),
                     metrics_port=-1,
                     http_port=0 if http else -1,
@@ -260,10 +268,23 @@ def start_cluster(
     http: bool = False,
     lease_s: float = GatewayConfig.lease_s,
     certs: dict[str, CertFiles] | None = None,
+    decode_prefill_budget_s: float = 0.0,
+    watchdog: dict[str, float] | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
-    ``http``: the gateway serves its OpenAI-compatible HTTP API too."""
-    c = Cluster(model, policy, queue_timeout_s, api_keys_file, http, lease_s, certs)
+    ``http``: the gateway serves its OpenAI-compatible HTTP API too; ``watchdog``: the hang
+    detection's GatewayConfig fields (None: off)."""
+    c = Cluster(
+        model,
+        policy,
+        queue_timeout_s,
+        api_keys_file,
+        http,
+        lease_s,
+        certs,
+        decode_prefill_budget_s,
+        watchdog,
+    )
     try:
         for i in range(prefill):
             c.start_worker(f"prefill-{i}", "prefill")

@@ -5,6 +5,7 @@ codes, and no block left behind by a client that goes away mid-stream."""
 from __future__ import annotations
 
 import json
+import socket
 
 import grpc
 import httpx
@@ -213,6 +214,14 @@ def test_unknown_model_is_404(oai):
         ("top_k", 2**40),
         ("stop", [1, 2]),
         ("stop", ["s"] * 17),
+        ("stop", ["s" * 257]),
+        ("stop", ["a", ""]),
+        ("stop", ""),
+        ("temperature", 2.5),
+        ("top_p", 1.01),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("ignore_eos", "yes"),
         ("stream", "yes"),
         ("presence_penalty", 0.5),
         ("prompt", []),
@@ -227,6 +236,50 @@ def test_a_bad_value_is_400_naming_the_field(http_cluster, oai, field, value):
     err = _error(e.value)
     assert err["param"] == field
     assert field in err["message"]
+    assert_no_leaks(http_cluster.live())
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        (dict(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens must be"),
+        (dict(max_tokens=-3), "max_tokens", "max_tokens must be an integer >= 1, got -3"),
+        (
+            dict(logprobs=True, top_logprobs=21),
+            "top_logprobs",
+            "top_logprobs must be None or an integer in [0, 20], got 21",
+        ),
+        (dict(stop=["s"] * 17), "stop", "stop takes at most 16 strings, got 17"),
+        (
+            dict(messages=[{"role": "user", "content": "Hi"}] * 4097),
+            "messages",
+            "chat has 4097 messages; at most 4096 are allowed",
+        ),
+    ],
+)
+def test_a_bad_chat_value_is_400_naming_the_field_as_the_request_does(
+    http_cluster, oai, extra, param, message
+):
+    body = {"model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.post("/chat/completions", cast_to=object, body=body)
+    err = _error(e.value)
+    assert err["param"] == param
+    assert message in err["message"]
+    assert_no_leaks(http_cluster.live())
+
+
+def test_a_bad_request_id_header_is_400(http_cluster):
+    base = f"http://{http_cluster.http_address}/v1"
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=30) as h:
+        r = h.post(f"{base}/completions", json=body, headers={"x-request-id": "r" * 129})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            "the X-Request-Id header has 129 characters; at most 128 are allowed"
+        )
+        r = h.post(f"{base}/completions", json=body, headers={"x-request-id": "r" * 128})
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-" + "r" * 128
     assert_no_leaks(http_cluster.live())
 
 
@@ -251,12 +304,45 @@ def test_malformed_json_too_large_body_and_unknown_routes(http_cluster):
         r = h.post(f"{base}/completions", content=big)
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
-        r = h.post(f"{base}/completions", content=b'{"prompt": "Hi", "temperature": NaN}')
-        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        for raw in (b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "\\udc00"}]}'):
+            r = h.post(f"{base}/chat/completions", content=raw)
+            assert r.status_code == 400, raw
+            assert "not valid Unicode" in r.json()["error"]["message"]
+        r = h.post(f"{base}/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+        assert r.status_code == 200  # a surrogate pair is a character (an emoji)
+        for temperature in (b"NaN", b"Infinity", b"1e400"):  # the last one reads as inf
+            raw = b'{"prompt": "Hi", "temperature": %s}' % temperature
+            r = h.post(f"{base}/completions", content=raw)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
         r = h.get(f"{base}/completions")
         assert r.status_code == 405 and "error" in r.json()
         r = h.get(f"{base}/nothing")
         assert r.status_code == 404 and "error" in r.json()
+
+
+def test_the_servers_connections_send_without_waiting_for_acks(http_cluster):
+    """Nagle's algorithm is off (TCP_NODELAY) on the server's side of a connection: with it on,
+    an answer's body (or a streamed token) waits on the client's delayed ACK of what went
+    before, some 40 ms an answer."""
+    host, port = http_cluster.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b"max_model_len" not in answer:
+            answer += sock.recv(65536)
+
+        async def nodelay() -> list[int]:  # the connections uvicorn holds open (this one)
+            connections = http_cluster.gateway.http._server.server_state.connections
+            return [
+                c.transport.get_extra_info("socket").getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY
+                )
+                for c in connections
+            ]
+
+        flags = http_cluster.loop.run(nodelay())
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert flags and all(flags), flags
 
 
 def test_models_lists_the_served_model(http_cluster, oai):

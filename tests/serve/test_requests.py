@@ -121,7 +121,7 @@ def _complete(gateway: str, **kw) -> generation_pb2.CompleteResponse:
         (
             dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "temperature must be >= 0",
+            "temperature must be a number in [0, 2] (0 is greedy), got -1.0",
         ),
         (
             dict(text="hi", sampling=common_pb2.SamplingParams(top_p=0)),
@@ -150,6 +150,85 @@ def _complete(gateway: str, **kw) -> generation_pb2.CompleteResponse:
         ),
         (dict(text="x" * (10 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no prompt"),
+        # the HTTP API's limits (SamplingParams' and the prompt's: one place for both APIs)
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(temperature=2.5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature must be a number in [0, 2] (0 is greedy), got 2.5",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(temperature=float("inf"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature must be a number in [0, 2] (0 is greedy), got inf",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(temperature=float("nan"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "got nan",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(top_p=float("nan"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p must be a number in (0, 1], got nan",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(stop=["s"] * 17)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop takes at most 16 strings, got 17",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(stop=["s" * 257])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop strings may have at most 256 characters, got one of 257",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(stop=["a", ""])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop strings must be non-empty strings, got ''",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[2] * 257)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop_token_ids takes at most 256 ids, got 257",
+        ),
+        (
+            dict(text="hi", sampling=common_pb2.SamplingParams(logprobs=21)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logprobs must be None or an integer in [0, 20], got 21",
+        ),
+        (
+            dict(text="hi", request_id="r" * 129),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id has 129 characters; at most 128 are allowed",
+        ),
+        (
+            dict(text="hi", request_id="a\nb"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id 'a\\nb' has a character that is not printable",
+        ),
+        (
+            dict(
+                chat=generation_pb2.ChatMessages(
+                    messages=[generation_pb2.ChatMessage(role="user", content="hi")] * 4097
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat has 4097 messages; at most 4096 are allowed",
+        ),
+        (dict(text="hi", model="m" * 100_000), grpc.StatusCode.NOT_FOUND, "is not served here"),
+        # more characters than 4096 tokens can stand for: refused before it is tokenized
+        (
+            dict(text="x" * (4096 * 81 + 1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt has 331777 characters: more than the model's context can hold in any "
+            "tokenization (at most 331776: no token stands for more than 81 characters)",
+        ),
+        # long enough to be tokenized off the event loop, then too long for the context
+        (
+            dict(text="word " * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt has 5001 tokens and max_tokens is 16: 5017 exceeds",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
@@ -160,6 +239,7 @@ def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
         _complete(c.address, **kw)
     assert err.value.code() == code
     assert message in err.value.details()
+    assert len(err.value.details()) <= 512  # however large the request
     ok = _complete(
         c.address, text="Hello", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)
     )
@@ -170,3 +250,27 @@ def test_bad_input_gets_a_clear_status_and_the_cluster_keeps_serving(
 def test_list_models(shared_cluster):
     with Client(shared_cluster.address) as client:
         assert client.list_models() == ["tiny-llama"]
+
+
+def test_two_requests_with_the_same_client_id_at_once_are_both_served(shared_cluster):
+    """The workers know each try by an id made unique per gateway and request."""
+    c = shared_cluster
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Client(c.address, timeout=60) as client:
+        want = client.complete([5, 6, 7], params).token_ids
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(
+                pool.map(
+                    lambda _: _complete(
+                        c.address,
+                        token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
+                        request_id="same-id",
+                        sampling=common_pb2.SamplingParams(
+                            max_tokens=24, temperature=0, ignore_eos=True
+                        ),
+                    ),
+                    range(2),
+                )
+            )
+    assert [list(g.token_ids) for g in got] == [list(want)] * 2
+    assert_no_leaks(c.live())

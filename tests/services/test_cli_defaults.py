@@ -24,12 +24,34 @@ def test_gateway_defaults_are_gateway_configs():
 
 def test_gateway_options_reach_the_config():
     args = build_parser().parse_args(
-        "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 "
-        "--queue-timeout 9 --api-keys k.json".split()
+        "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 --max-resumes 2 "
+        "--queue-timeout 9 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
+        "--suspect-after 2 --probe-timeout 0.25 --real-probe-timeout 1.5 "
+        "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25".split()
     )
     assert serve_cli.gateway_config(args) == GatewayConfig(
-        "round_robin", 3.0, 7.0, 5, 9.0, "k.json"
+        policy="round_robin",
+        lease_s=3.0,
+        kv_timeout_s=7.0,
+        max_attempts=5,
+        max_resumes=2,
+        queue_timeout_s=9.0,
+        api_keys_file="k.json",
+        local_prefill_tokens=8,
+        decode_prefill_budget_s=0.25,
+        probe_interval_s=0.5,
+        real_probe_interval_s=4.0,
+        suspect_after_s=2.0,
+        probe_timeout_s=0.25,
+        real_probe_timeout_s=1.5,
+        engine_timeout_s=12.0,
     )
+
+
+def test_a_bad_hang_detection_option_is_a_clear_error():
+    args = build_parser().parse_args(["gateway", "--probe-timeout", "0"])
+    with pytest.raises(ValueError, match="probe_timeout_s must be > 0 seconds, got 0.0"):
+        serve_cli.gateway_config(args)
 
 
 @pytest.mark.parametrize("command", [*ROLES, "up"])
@@ -52,6 +74,22 @@ def test_generate_sampling_defaults_are_sampling_params_but_for_its_own_two():
 
 def test_every_gateway_config_field_has_an_option():
     args = vars(build_parser().parse_args(["gateway"]))
-    options = {"policy", "lease", "kv_timeout", "max_attempts", "queue_timeout", "api_keys"}
+    options = {
+        "policy",
+        "lease",
+        "kv_timeout",
+        "max_attempts",
+        "max_resumes",
+        "queue_timeout",
+        "api_keys",
+        "local_prefill_tokens",
+        "decode_prefill_budget",
+        "probe_interval",
+        "real_probe_interval",
+        "suspect_after",
+        "probe_timeout",
+        "real_probe_timeout",
+        "engine_timeout",
+    }
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import grpc
 import pytest
@@ -48,7 +49,7 @@ def outcomes(gw: Gateway) -> dict[str, float]:
 def test_request_is_closed_with_the_clients_status(tok, exc, outcome):
     gw = Gateway(tok, 8192, tok.vocab_size, "m")
     ctx = gw.open("", (), stream=True)
-    assert ctx.request_id == "gw-0"
+    assert re.fullmatch(r"gw-[0-9a-f]{6}-0", ctx.request_id)
     assert running(gw) == 1
     with pytest.raises(type(exc)) if exc is not None else contextlib.nullcontext():
         with ctx:

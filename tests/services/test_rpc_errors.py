@@ -1,7 +1,8 @@
 """The error interceptor over a real grpc.aio server on a localhost port: every entry of the
 services' table gives its status code and the exception's text, a StatusError its own code, an
 unknown exception INTERNAL (with its traceback logged), a streaming handler that raises after
-yielding delivers its messages and then the status, and nothing hangs."""
+yielding delivers its messages and then the status, a request whose bytes do not decode
+INVALID_ARGUMENT, and nothing hangs."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ class Raising(generation_pb2_grpc.GenerationServicer):
             self.closed.append(request.request_id)
 
 
-def serve(servicer: Raising, body):
-    """Run ``body(stub)`` against a server with the services' table; returns what it returns."""
+def serve(servicer: Raising, body, raw: bool = False):
+    """Run ``body(stub)`` (``raw``: ``body(channel)``) against a server with the services' table;
+    returns what it returns."""
 
     async def main():
         server = rpc.Server([SERVICE], errors=STATUS_CODES)
@@ -95,7 +97,7 @@ def serve(servicer: Raising, body):
         await server.start()
         try:
             async with rpc.channel(f"127.0.0.1:{port}") as ch:
-                return await body(generation_pb2_grpc.GenerationStub(ch))
+                return await body(ch if raw else generation_pb2_grpc.GenerationStub(ch))
         finally:
             await server.stop(grace=0.5)
 
@@ -214,6 +216,50 @@ def test_cancelled_stream_closes_the_handler():
 
     assert serve(servicer, body) == grpc.StatusCode.CANCELLED
     assert servicer.closed == ["c"]
+
+
+def test_a_long_message_is_cut():
+    servicer = Raising()
+    servicer.errors["x"] = ValueError("stop strings must be short, got " + "x" * 100_000)
+    err = serve(servicer, lambda stub: _unary_error(stub, "x"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(err.details()) == rpc.MAX_STATUS_MESSAGE_CHARS
+    assert err.details().startswith("stop strings must be short, got xxx")
+    assert err.details().endswith("...")
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"\xff\xff\xff", "Wire format was corrupt"),
+        (b"\x12\x02\xff\xfe", "String field had bad UTF-8"),  # text = invalid UTF-8
+    ],
+)
+def test_bytes_that_do_not_decode_are_invalid_argument_and_the_handler_is_not_called(raw, why):
+    servicer = Raising()
+
+    async def body(ch):
+        errors = []  # methods without serializers: the server's parser gets ``raw``
+        for method, kind in (("Complete", ch.unary_unary), ("Generate", ch.unary_stream)):
+            call = kind(f"/{SERVICE}/{method}")(raw, timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                if method == "Complete":
+                    await call
+                else:
+                    async for _ in call:
+                        pass
+            errors.append(err.value)
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        ok = await stub.Complete(generation_pb2.GenerateRequest(text="fine"), timeout=10)
+        return errors, ok
+
+    errors, ok = serve(servicer, body, raw=True)
+    for err in errors:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details().startswith("the request does not decode: ")
+        assert "pdserve.v1.GenerateRequest" in err.details() and why in err.details()
+    assert servicer.closed == []  # Generate's handler never ran
+    assert ok.text == "ok"
 
 
 def test_server_requires_a_table():

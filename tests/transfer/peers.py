@@ -220,3 +220,35 @@ def sender_main(conn: Connection, layout: KVLayout, address: bytes, pool_blocks:
                 conn.send(("sent", tid, len(layers)))
     except Exception:  # noqa: BLE001 - shown by the test that waits for a reply
         conn.send(("crashed", traceback.format_exc()))
+
+
+def pool_sender_main(conn: Connection, layout: KVLayout, address: bytes, pool_blocks: int) -> None:
+    """As a prefill worker sends: on ("send", tid, seed, dst_ids), every layer of transfer
+    ``seed``'s KV from this process's pools (direct where the transport can), then the token
+    ``tid``. Reports ("posted", tid) once every send is posted, then ("sent", tid) or
+    ("failed", tid, error type)."""
+    torch.set_num_threads(1)
+    try:
+        with create_transport("ucx", layout) as transport:
+            peer = transport.connect(address)
+            conn.send(("ready",))
+            while (cmd := conn.recv()) is not None:
+                _, tid, seed, dst_ids = cmd
+                pools = Pools(layout, pool_blocks)
+                ids = block_ids(pool_blocks, len(dst_ids), seed, run=True)
+                pools.fill(ids, seed)
+                tx = transport.start_send(
+                    peer, tid, len(dst_ids), timeout=TIMEOUT, dst_block_ids=dst_ids
+                )
+                for layer in range(layout.num_layers):
+                    tx.send_pool_layer(layer, pools.k[layer], pools.v[layer], ids)
+                tx.finish(token_id=tid % 50000)
+                conn.send(("posted", tid))
+                try:
+                    tx.wait()
+                except TransferError as exc:
+                    conn.send(("failed", tid, type(exc).__name__))
+                else:
+                    conn.send(("sent", tid))
+    except Exception:  # noqa: BLE001 - shown by the test that waits for a reply
+        conn.send(("crashed", traceback.format_exc()))

@@ -187,20 +187,20 @@ def test_sender_with_other_destination_ids_fails_the_transfer(
     assert (kind, error) == ("failed", "HeaderMismatchError") and "runs of the reserved" in message
 
 
-def test_incomplete_direct_transfer_fails_at_its_deadline_then_settles() -> None:
-    """The sender stops after 10 layers: the receiver's transfer fails at its deadline, and
-    its future (on which the blocks are freed) only after the receives were cancelled."""
+def test_incomplete_direct_transfer_fails_at_its_deadline_and_settles_at_once() -> None:
+    """The sender stops after 10 layers: the receiver's transfer fails at its deadline, its
+    receives are cancelled (none was matched), so it has settled by then: no fixed delay."""
     layout = default_layout(torch.bfloat16)
     sender, receiver = UCXTransport(layout), UCXTransport(layout, drain_seconds=0)
     try:
         tid, timeout = next(_ids), 1.0
         pools = Pools(layout, POOL_BLOCKS)
         dst = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid + 1, True)
-        start = time.monotonic()
-        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
-        src_pools = Pools(layout, POOL_BLOCKS)
+        src_pools = Pools(layout, POOL_BLOCKS)  # made first: the deadline runs from expect
         src = block_ids(POOL_BLOCKS, NUM_BLOCKS, tid, True)
         src_pools.fill(src, seed=tid)
+        start = time.monotonic()
+        transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout)
         tx = sender.start_send(
             sender.connect(receiver.address()),
             tid,
@@ -213,7 +213,9 @@ def test_incomplete_direct_transfer_fails_at_its_deadline_then_settles() -> None
         with pytest.raises(TransferTimeoutError, match="10/30 layers arrived"):
             transfer.wait()
         elapsed = time.monotonic() - start
-        assert timeout + 0.15 <= elapsed < timeout + SLACK_S  # SETTLE_S = 0.2 after the deadline
+        assert transfer.settled.done() and not transfer.unsettled
+        assert timeout <= elapsed < timeout + SLACK_S
+        assert receiver.counters().unsettled_transfers == 0
         landed = [layer for layer in range(30) if pools.k[layer][dst].any()]
         assert landed == list(range(10))
     finally:

@@ -204,9 +204,10 @@ def test_incomplete_transfer_times_out_at_its_deadline(transports: dict, kind: s
     sender, receiver = pair(transports, kind, torch.bfloat16)
     tid = next(_ids)
     timeout = 0.5
+    source = Source(sender, sender.connect(receiver.address()), tid, tid)  # before the deadline
     start = time.monotonic()
     transfer, _, _ = expect(receiver, tid, seed=tid, timeout=timeout)
-    for fut in send_layers(sender, sender.connect(receiver.address()), tid, tid, range(10)):
+    for fut in source.send(range(10)):
         fut.result(10)
     with pytest.raises(TransferTimeoutError, match="10/30 layers arrived"):
         transfer.wait()
@@ -261,8 +262,9 @@ def test_sending_to_a_closed_receiver_fails_within_the_timeout(kind: str) -> Non
             fut.result(10)
         transfer.wait()
         receiver.close()
+        source = Source(sender, peer, next(_ids), 1, timeout=1.0)  # before the clock starts
         start = time.monotonic()
-        fut = send_layers(sender, peer, next(_ids), 1, range(1), timeout=1.0)[0]
+        fut = source.send(range(1))[0]
         with pytest.raises((PeerUnreachableError, TransferTimeoutError)):
             fut.result(1.0 + SLACK_S)
         assert time.monotonic() - start < 1.0 + SLACK_S

@@ -254,8 +254,9 @@ def test_sends_to_a_receiver_that_is_gone_fail_within_their_timeout(senders: dic
 
         # a peer we had talked to: its memory is still mapped, sends just never complete
         timeout = 1.0
+        source = Source(sender, peer, next(_ids), seed=1, timeout=timeout)  # before the clock
         start = time.monotonic()
-        futures = Source(sender, peer, next(_ids), seed=1, timeout=timeout).send(range(3))
+        futures = source.send(range(3))
         for fut in futures:
             with pytest.raises((TransferTimeoutError, PeerUnreachableError)):
                 fut.result(timeout + SLACK_S)
@@ -265,12 +266,13 @@ def test_sends_to_a_receiver_that_is_gone_fail_within_their_timeout(senders: dic
             Source(sender, peer, next(_ids), seed=1).send(range(1))
 
         # a fresh connection fails at once: in connect, or at its first send
+        kv = Pools(sender.layout, POOL_BLOCKS)  # made before the clock starts (a loaded box)
         start = time.monotonic()
         with pytest.raises((PeerUnreachableError, TransferTimeoutError)):
             fresh = sender.connect(receiver.address)
-            Source(sender, fresh, next(_ids), seed=1, timeout=timeout).send(range(1))[0].result(
-                timeout + SLACK_S
-            )
+            tx = sender.start_send(fresh, next(_ids), NUM_BLOCKS, timeout=timeout)
+            k, v = kv.k[0][:NUM_BLOCKS].clone(), kv.v[0][:NUM_BLOCKS].clone()
+            tx.send_layer(0, k, v).result(timeout + SLACK_S)
         assert time.monotonic() - start < timeout + SLACK_S
     finally:
         receiver.close()

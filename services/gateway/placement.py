@@ -1,0 +1,57 @@
+"""Conditional disaggregation: whether a request's prompt is prefilled by a prefill worker (and its
+KV shipped) or by the decode worker itself, decided per request.
+
+A prefill worker is worth its transfer when it is free: the decode worker's running streams then
+never wait for a prompt. When the prefill workers are the bottleneck (long prompts, one prefill
+core), a prompt queued there waits longer than the decode worker would take to prefill it, and
+the decode worker's core idles meanwhile. So a request is prefilled on its decode worker when
+
+- its prompt is short (``local_prefill_tokens``): the hop and the transfer cost more than the
+  prefill, and a few tokens fit beside a decode step; or
+- the prefill worker's queue would hold it longer than the prefills this decode worker has taken
+  on (this one included) take, and those fit in ``decode_prefill_budget_s`` — the longest the
+  decode worker's streams may be held back, the TPOT budget. Under load this balances the two
+  queues; when prefill keeps up, its queue is empty and every prompt goes there.
+
+Times come from one rate per prefill worker: prompt tokens per second, measured on every
+disaggregated prefill as (tokens queued ahead + its own) / its duration, an exponential average.
+A decode worker is assumed to prefill at the rate of the prefill worker it would have used (same
+model; the roles run the same engine). Until a rate is measured, only the short-prompt rule
+applies. ``decode_prefill_budget_s`` 0 turns the whole thing off: always disaggregate.
+"""
+
+from __future__ import annotations
+
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.registry import Worker
+
+RATE_WEIGHT = 0.2  # of a new measurement in the average
+
+SHORT_PROMPT = "short_prompt"
+PREFILL_BUSY = "prefill_busy"
+DISAGGREGATED = "disaggregated"
+
+
+def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: float) -> None:
+    """A disaggregated prefill of ``tokens`` took ``seconds`` with ``queued_tokens`` ahead of it."""
+    if seconds <= 0 or tokens <= 0:
+        return
+    rate = (queued_tokens + tokens) / seconds
+    prev = prefill.prefill_rate
+    prefill.prefill_rate = rate if prev is None else prev + RATE_WEIGHT * (rate - prev)
+
+
+def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
+    """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED."""
+    if cfg.decode_prefill_budget_s <= 0:
+        return DISAGGREGATED
+    if num_tokens <= cfg.local_prefill_tokens:
+        return SHORT_PROMPT
+    rate = prefill.prefill_rate
+    if not rate:
+        return DISAGGREGATED
+    wait_there = prefill.outstanding_tokens / rate  # a prefill worker's are prompt tokens only
+    here = (decode.local_prefill_tokens + num_tokens) / rate
+    if wait_there > here and here <= cfg.decode_prefill_budget_s:
+        return PREFILL_BUSY
+    return DISAGGREGATED

@@ -1,0 +1,185 @@
+"""Hang detection, in process: the gateway's watchdog (services/gateway/watchdog.py) evicts a worker
+whose engine stops while streams run there, the streams resume on another worker with the same
+output, and the worker rejoins once it moves again; a busy worker is never evicted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from pdserve.services.gateway.config import GatewayConfig
+
+from pdserve import Client, SamplingParams
+from tests.helpers import assert_no_leaks, wait_until
+from tests.serve.test_health import _pause
+
+LONG = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8 + i] for i in range(8)]
+
+
+def _listed(c, name: str):
+    return c.gateway.registry.workers[c.workers[name].worker_id]
+
+
+def _stream_all(address: str, prompts, params, started: threading.Barrier | None = None):
+    """Each prompt streamed in a thread of its own; the token ids of each. ``started``: every
+    stream waits there once it has its first two deltas."""
+
+    def one(prompt):
+        with Client(address, timeout=60) as client:
+            got: list[int] = []
+            for i, delta in enumerate(client.generate_stream(prompt, params)):
+                got += delta.token_ids
+                if started is not None and i == 1:
+                    started.wait(30)
+            return got
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_a_decode_worker_whose_engine_hangs_is_evicted_and_its_streams_resume(cluster):
+    # The defaults, but 2 s for the real probe of a worker that answers Stats (20 s by default:
+    # a CPU step can take seconds), so a hang of the engine alone is also evicted within 5 s.
+    # lease 3 s: heartbeats every second, so it registers again soon after it moves
+    c = cluster(prefill=1, decode=2, watchdog={"engine_timeout_s": 2.0}, lease_s=3.0)
+    want = _stream_all(c.address, PROMPTS, LONG)  # undisturbed
+    hung = _listed(c, "decode-0")
+    started = threading.Barrier(len(PROMPTS) + 1)
+    with ThreadPoolExecutor(1) as pool:
+        streams = pool.submit(_stream_all, c.address, PROMPTS, LONG, started)
+        started.wait(30)  # every stream has tokens: both decode workers are streaming
+        assert hung.calls, "decode-0 serves none of the streams"
+        on_hung = len(hung.calls)
+        release, held = _pause(c, c.workers["decode-0"])  # its engine thread stops, not its loop
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: hung.evicted, 10, "the eviction")
+            detected = time.monotonic() - stopped
+            reason = hung.evicted  # until it registers again (its heartbeats go on meanwhile)
+            got = streams.result(60)
+        finally:
+            release.set()
+    assert got == want
+    assert detected <= 5.0
+    assert "no progress for" in reason and "real probe: timeout" in reason
+    assert c.gateway_metric("pdserve_evictions_total", reason="stalled") == 1
+    assert c.gateway_metric("pdserve_hang_detection_seconds_count") == 1
+    assert 1.0 <= c.gateway_metric("pdserve_hang_detection_seconds_sum") <= 5.0
+    assert c.gateway_metric("pdserve_probes_total", kind="real", result="timeout") >= 1
+    assert c.gateway_metric("pdserve_resumes_total") == on_hung
+    assert held.result(10) is True
+    # Moving again, it answers its next heartbeat by registering, passes a probe and rejoins.
+    wait_until(lambda: hung.alive, 10, "decode-0 to rejoin")
+    assert c.gateway_metric("pdserve_rejoins_total") == 1
+    assert hung.evicted is None and not hung.probation
+    with Client(c.address, timeout=60) as client:
+        for p in PROMPTS[:2]:  # least_loaded: the idle workers take turns
+            assert list(client.complete(p, LONG).token_ids) == want[PROMPTS.index(p)]
+    wait_until(lambda: c.served("decode-0") >= 1, 5, "decode-0 to serve again")
+    assert_no_leaks(c.live())  # the cancelled streams' blocks were freed once it moved
+
+
+def test_a_busy_worker_is_probed_but_not_evicted(cluster):
+    # Probes as often as the watchdog looks, and a worker suspect after 50 ms without a token.
+    hasty = dict(
+        probe_interval_s=0.05,
+        real_probe_interval_s=0.05,
+        suspect_after_s=0.05,
+        probe_timeout_s=2.0,
+        engine_timeout_s=2.0,
+    )
+    c = cluster(prefill=0, decode=0, colocated=1, watchdog=hasty)
+    prompts = [list(range(10, 10 + 200 + 10 * i)) for i in range(16)]  # 16 prefills, then decode
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    before = c.gateway_metric("pdserve_probes_total", kind="real", result="ok")
+    got = _stream_all(c.address, prompts, params)
+    assert [len(g) for g in got] == [300] * 16
+    assert c.gateway_metric("pdserve_probes_total", kind="real", result="ok") > before
+    assert c.gateway_metric("pdserve_evictions_total", reason="stalled") == 0
+    assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 0
+    assert _listed(c, "colocated-0").alive
+    # probes are not requests: the worker counted the 16 streams only
+    wait_until(lambda: c.served("colocated-0") == 16, 5, "the worker to count the 16")
+    assert_no_leaks(c.live())
+
+
+def test_an_idle_worker_that_stops_answering_is_evicted_and_its_replacement_registers(cluster):
+    c = cluster(prefill=0, decode=2, watchdog={"probe_interval_s": 0.5})
+    gone = _listed(c, "decode-0")
+    c.stop_worker("decode-0")  # its server goes away while the gateway still lists it
+    stopped = time.monotonic()
+    wait_until(lambda: gone.evicted, 5, "the eviction")
+    assert time.monotonic() - stopped <= 0.5 + 0.25 + GatewayConfig().probe_timeout_s + 2.0
+    assert "its real probe: error" == gone.evicted
+    assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+    # a new process (a new worker id) just registers
+    c.start_worker("decode-2", "decode")
+    assert _listed(c, "decode-2").alive
+    with Client(c.address, timeout=30) as client:
+        for i in range(4):
+            assert client.complete([1, 2, 3 + i], SHORT).finish_reason == "length"
+    assert c.served("decode-0") == 0
+    assert_no_leaks(c.live())
+
+
+def test_a_hung_idle_worker_is_evicted_and_kept_on_probation_until_it_moves(cluster):
+    c = cluster(
+        prefill=0,
+        decode=0,
+        colocated=2,
+        watchdog={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5},
+        lease_s=1.5,  # heartbeats every 0.5 s: it registers again while still hung
+    )
+    hung = _listed(c, "colocated-0")
+    release, held = _pause(c, c.workers["colocated-0"])
+    try:
+        wait_until(lambda: hung.evicted, 5, "the eviction")
+        assert hung.evicted == "its real probe: timeout"  # Stats answers: its loop runs
+        assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+        wait_until(lambda: hung.probation, 5, "it to register again, on probation")
+        with Client(c.address, timeout=30) as client:  # not routed to while on probation
+            for i in range(4):
+                assert client.complete([1, 2, 3 + i], SHORT).finish_reason == "length"
+        assert c.served("colocated-0") == 0 and hung.probation and not hung.alive
+        assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+    finally:
+        release.set()
+    assert held.result(10) is True
+    wait_until(lambda: hung.alive, 5, "it to pass a probe and rejoin")
+    assert c.gateway_metric("pdserve_rejoins_total") == 1
+    assert_no_leaks(c.live())  # the probes it took while hung were freed
+
+
+def test_a_prefill_worker_that_stops_answering_is_evicted_on_its_fast_probe(cluster):
+    c = cluster(prefill=2, decode=1, watchdog={"probe_interval_s": 0.5})
+    gone = _listed(c, "prefill-0")
+    c.stop_worker("prefill-0")
+    wait_until(lambda: gone.evicted, 5, "the eviction")
+    assert gone.evicted == "its fast probe: error"  # Stats is all a prefill worker is asked
+    assert c.gateway_metric("pdserve_probes_total", kind="fast", result="error") >= 1
+    assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 1
+    with Client(c.address, timeout=30) as client:
+        for i in range(4):
+            assert client.complete([1, 2, 3 + i], SHORT).finish_reason == "length"
+    assert c.gateway_metric("pdserve_retries_total") == 0  # never routed to once evicted
+    assert_no_leaks(c.live())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("probe_interval_s", -1),
+        ("suspect_after_s", 0),
+        ("probe_timeout_s", 0),
+        ("real_probe_timeout_s", -0.5),
+        ("real_probe_interval_s", 0),
+        ("engine_timeout_s", 0),
+    ],
+)
+def test_hang_detection_bounds_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        GatewayConfig(**{field: value})

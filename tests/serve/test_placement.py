@@ -1,0 +1,87 @@
+"""Conditional disaggregation (services/gateway/placement.py): decisions on recorded worker state,
+and a real in-process cluster that prefills short prompts on the decode worker."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pdserve.services.gateway import placement
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.registry import Worker
+
+from pdserve import Client, SamplingParams
+from tests.helpers import assert_no_leaks
+
+CFG = GatewayConfig(local_prefill_tokens=32, decode_prefill_budget_s=0.5)
+
+
+def _worker(role: str, **state) -> Worker:
+    w = Worker(f"{role}-x", role, "127.0.0.1:1", "h", channel=grpc.insecure_channel("127.0.0.1:1"))
+    for k, v in state.items():
+        setattr(w, k, v)
+    return w
+
+
+def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
+    p = _worker("prefill")
+    placement.record_prefill(p, queued_tokens=300, tokens=100, seconds=0.4)
+    assert p.prefill_rate == pytest.approx(1000.0)
+    placement.record_prefill(p, queued_tokens=0, tokens=200, seconds=0.1)  # 2000 tok/s
+    assert p.prefill_rate == pytest.approx(1000.0 + placement.RATE_WEIGHT * 1000.0)
+    placement.record_prefill(p, queued_tokens=5, tokens=0, seconds=0.1)  # nothing to learn
+    placement.record_prefill(p, queued_tokens=5, tokens=10, seconds=0.0)
+    assert p.prefill_rate == pytest.approx(1200.0)
+
+
+@pytest.mark.parametrize(
+    "tokens, prefill_state, decode_state, want",
+    [
+        # short prompts stay on the decode worker, measured rate or not
+        (32, {}, {}, placement.SHORT_PROMPT),
+        (33, {}, {}, placement.DISAGGREGATED),  # no rate yet: ship it
+        # prefill idle: ship it
+        (400, {"prefill_rate": 1000.0}, {}, placement.DISAGGREGATED),
+        # 0.6 s queued there > 0.4 s here, 0.4 s within the 0.5 s budget
+        (400, {"prefill_rate": 1000.0, "outstanding_tokens": 600}, {}, placement.PREFILL_BUSY),
+        # here would take 0.45 s (50 already taken on) > what waits there (0.4 s)
+        (
+            400,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 400},
+            {"local_prefill_tokens": 50},
+            placement.DISAGGREGATED,
+        ),
+        # queued long there, but 0.6 s here is over the budget
+        (600, {"prefill_rate": 1000.0, "outstanding_tokens": 5000}, {}, placement.DISAGGREGATED),
+    ],
+)
+def test_decisions(tokens, prefill_state, decode_state, want):
+    p, d = _worker("prefill", **prefill_state), _worker("decode", **decode_state)
+    assert placement.decide(tokens, p, d, CFG) == want
+
+
+def test_a_budget_of_zero_always_disaggregates():
+    p = _worker("prefill", prefill_rate=1000.0, outstanding_tokens=10**6)
+    off = GatewayConfig(decode_prefill_budget_s=0)
+    assert placement.decide(1, p, _worker("decode"), off) == placement.DISAGGREGATED
+
+
+def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_shipped(cluster):
+    c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    short, long = list(range(5, 15)), list(range(5, 105))
+    with Client(c.address, timeout=60) as client:
+        got_short = client.complete(short, params)
+        got_long = client.complete(long, params)
+    prefill = c.workers["prefill-0"]
+    assert c.served("prefill-0") == 1  # the long one
+    assert c.served("decode-0") == 2
+    assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
+    assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 1
+    assert c.gateway_metric("pdserve_requests_without_disaggregation_total") == 0
+    assert c.gateway.registry.workers[prefill.worker_id].prefill_rate > 0
+    # the same tokens either way: the roles run one engine
+    off = cluster(prefill=1, decode=1)
+    with Client(off.address, timeout=60) as client:
+        assert client.complete(short, params).token_ids == got_short.token_ids
+        assert client.complete(long, params).token_ids == got_long.token_ids
+    assert_no_leaks(c.live())

@@ -1,0 +1,256 @@
+"""Fenced KV blocks (pdserve/transfer/fence.py): a transfer's id is the generation of the
+reservation it lands in, and a message of a reservation that is over never lands in blocks that
+were freed and handed to a new owner; it is dropped and counted. Real UCX (in-process pairs, and
+a sender process stopped by SIGSTOP in the middle of a message) and the loopback transport."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from pdserve.kv_cache.allocator import BlockAllocator
+from pdserve.metrics import WorkerMetrics
+from pdserve.transfer import (
+    KVLayout,
+    KVTransport,
+    PoolDestination,
+    TransferError,
+    create_transport,
+)
+from pdserve.transfer.recv_transfer import RecvTransfer
+from pdserve.transfer.ucx import UCXTransport
+from tests.transfer import peers
+from tests.transfer.peers import Pools, block_ids, default_layout, recv
+
+KINDS = ["loopback", "ucx"]
+NUM_BLOCKS = 32
+POOL_BLOCKS = 48
+TOKEN = 777
+_seeds = itertools.count(100)
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "a condition") -> None:  # noqa: ANN001
+    """Poll ``predicate`` (a state the transport's thread reaches) until true or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture(params=KINDS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVTransport, KVTransport]]:
+    layout = default_layout(torch.bfloat16)
+    sender = create_transport(request.param, layout)
+    receiver = create_transport(request.param, layout)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def send_all(sender: KVTransport, address: bytes, tid: int, seed: int, dst: torch.Tensor):  # noqa: ANN201
+    """Send transfer ``seed``'s KV as the prefill worker does (from its pools, direct where the
+    transport can) under transfer id ``tid`` to blocks ``dst``; returns the SendTransfer."""
+    pools = Pools(sender.layout, POOL_BLOCKS)
+    src = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed, run=True)
+    pools.fill(src, seed)
+    tx = sender.start_send(
+        sender.connect(address), tid, NUM_BLOCKS, timeout=20.0, dst_block_ids=dst.tolist()
+    )
+    for layer in range(sender.layout.num_layers):
+        tx.send_pool_layer(layer, pools.k[layer], pools.v[layer], src)
+    tx.finish(TOKEN)
+    return tx
+
+
+def test_a_late_sender_of_a_freed_reservation_cannot_touch_its_new_owner(pair) -> None:  # noqa: ANN001
+    """Blocks reserved (generation g1), the transfer cancelled, the blocks freed and reserved
+    again (g2) by a new owner whose KV lands; then the first reservation's sender, late, sends
+    all of its KV. Every one of its messages is dropped and counted, and the new owner's blocks
+    hold its own KV, bit for bit (and no other block of the pools was touched)."""
+    sender, receiver = pair
+    layout = receiver.layout
+    allocator = BlockAllocator(POOL_BLOCKS)
+    pools = Pools(layout, POOL_BLOCKS)
+
+    ids = allocator.allocate(NUM_BLOCKS)  # one run: UCX lands it direct in the pools
+    old = allocator.generation_of(ids[0])
+    dst = torch.tensor(ids)
+    old_rt = receiver.expect(old, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+    old_rt.cancel("the request went away")
+    with pytest.raises(TransferError, match="went away"):
+        old_rt.wait()
+    assert old_rt.settled.done()  # nothing was under way: free at once, no delay
+    allocator.free(ids)
+
+    again = allocator.allocate(NUM_BLOCKS)
+    new = allocator.generation_of(again[0])
+    assert again == ids and new > old  # the same blocks, a new owner, a new generation
+    new_seed = next(_seeds)
+    new_rt = receiver.expect(new, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+    send_all(sender, receiver.address(), new, new_seed, dst).wait()
+    assert new_rt.wait().num_layers == layout.num_layers and new_rt.token_id == TOKEN
+    assert pools.mismatches(dst, new_seed) == []
+
+    late = send_all(sender, receiver.address(), old, next(_seeds), dst)
+    late.wait()  # taken and dropped by the receiver (UCX: drained), not left to time out
+    messages = len(late._futures)
+    wait_for(lambda: receiver.counters().stale_messages == messages, what="the stale count")
+    assert pools.mismatches(dst, new_seed) == []  # bit for bit the new owner's KV, still
+    counters = receiver.counters()
+    assert (counters.unsettled_transfers, counters.unsettled_blocks) == (0, 0)
+    metrics = WorkerMetrics()  # as a decode worker exposes them
+    metrics.watch_transport(receiver.counters)
+    scraped = generate_latest(metrics.registry).decode()
+    assert f"pdserve_kv_stale_messages_total {float(messages)}" in scraped
+    assert "pdserve_kv_unsettled_blocks 0.0" in scraped
+    with pytest.raises(ValueError, match="in use|was"):  # a generation is never reused
+        receiver.expect(old, PoolDestination(pools.k, pools.v, dst), timeout=1.0)
+    allocator.free(again)
+    assert allocator.num_free_blocks == POOL_BLOCKS
+
+
+def test_blocks_of_a_transfer_that_has_not_settled_are_refused(pair) -> None:  # noqa: ANN001
+    """The fence checks a new reservation against the blocks' current owner: blocks whose
+    transfer has not settled cannot be handed to another transfer."""
+    _, receiver = pair
+    pools = Pools(receiver.layout, POOL_BLOCKS)
+    first = receiver.expect(1, PoolDestination(pools.k, pools.v, range(0, 8)), timeout=20.0)
+    with pytest.raises(ValueError, match="block 7 still belongs to transfer 1"):
+        receiver.expect(2, PoolDestination(pools.k, pools.v, range(7, 15)), timeout=20.0)
+    other = receiver.expect(3, PoolDestination(pools.k, pools.v, range(8, 16)), timeout=20.0)
+    for rt in (first, other):
+        rt.cancel()
+        with pytest.raises(TransferError):
+            rt.wait()
+        assert rt.settled.done()
+    receiver.expect(4, PoolDestination(pools.k, pools.v, range(7, 15)), timeout=20.0).cancel()
+
+
+# -- a sender stopped in the middle of a message (UCX, separate process) ----------------------
+
+BIG = KVLayout(
+    "fence-test", torch.float32, block_size=16, num_layers=2, num_kv_heads=8, head_dim=128
+)
+BIG_BLOCKS = 256  # 64 KiB blocks: each K or V message is 16 MiB, long enough to stop half-way
+BIG_POOL = 272
+
+
+class StoppableSender:
+    """A prefill-like sender process (peers.pool_sender_main) that the test can SIGSTOP."""
+
+    def __init__(self, address: bytes) -> None:
+        self.proc, self.conn = peers.spawn(peers.pool_sender_main, BIG, address, BIG_POOL)
+        assert recv(self.conn) == ("ready",)
+
+    def send(self, tid: int, seed: int, dst: torch.Tensor) -> None:
+        self.conn.send(("send", tid, seed, dst.tolist()))
+
+    def reply(self) -> tuple:
+        reply = recv(self.conn)
+        assert reply[0] != "crashed", reply[1]
+        return reply
+
+    def close(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        peers.stop(self.proc)
+
+
+def stop_half_way(
+    sender: StoppableSender, receiver: KVTransport, pools: Pools, dst
+) -> RecvTransfer:  # noqa: ANN001
+    """A transfer into ``dst`` whose sender is stopped (SIGSTOP) with a message half-way in, and
+    which the receiver then cancelled: it is over, not settled. Retried when the stop happens to
+    fall between two messages (rare: several 16 MiB messages are in flight at once)."""
+    for attempt in range(1, 6):
+        tid = 10 + attempt
+        for p in (*pools.k, *pools.v):
+            p.zero_()
+        rt = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+        sender.send(tid, tid, dst)
+        first = pools.k[0][int(dst[0])]
+        landing = lambda first=first, rt=rt: bool(first.any()) or rt.done()  # noqa: E731
+        wait_for(landing, what="the first bytes to land")
+        os.kill(sender.proc.pid, signal.SIGSTOP)
+        rt.cancel("the request went away")
+        with contextlib.suppress(TransferError):  # unless it had landed whole already
+            rt.wait()
+        if not rt.settled.done():
+            return rt
+        os.kill(sender.proc.pid, signal.SIGCONT)
+        assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
+    raise AssertionError("the sender was never stopped in the middle of a message")
+
+
+def test_a_sender_stopped_half_way_keeps_the_blocks_fenced_until_its_write_ends() -> None:
+    """UCX cannot cancel a receive it has matched: a sender stopped by SIGSTOP in the middle of
+    a message writes the rest after SIGCONT. The failed transfer therefore settles only then;
+    until it has, its blocks are refused to a new owner. Afterwards the new owner's KV lands and
+    stays intact, bit for bit."""
+    receiver = create_transport("ucx", BIG)
+    sender = StoppableSender(receiver.address())
+    pools = Pools(BIG, BIG_POOL)
+    dst = torch.arange(8, 8 + BIG_BLOCKS)
+    try:
+        rt = stop_half_way(sender, receiver, pools, dst)
+        tid = rt.transfer_id
+        counters = receiver.counters()
+        assert (counters.unsettled_transfers, counters.unsettled_blocks) == (1, BIG_BLOCKS)
+        with pytest.raises(ValueError, match=f"still belongs to transfer {tid}"):
+            receiver.expect(tid + 100, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+
+        stopped = [p[dst].clone() for p in (*pools.k, *pools.v)]
+        os.kill(sender.proc.pid, signal.SIGCONT)
+        rt.settled.result(timeout=20.0)  # the half-way message completed: now free
+        assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
+        counters = receiver.counters()
+        assert (counters.unsettled_blocks, counters.fences_expired, counters.late_writes) == (
+            0,
+            0,
+            0,
+        )
+        late = [
+            not torch.equal(p[dst], was)
+            for p, was in zip((*pools.k, *pools.v), stopped, strict=True)
+        ]
+        assert any(late)  # the stopped sender did write after the cancel: into fenced blocks
+
+        new = tid + 100  # the blocks' new owner
+        rt2 = receiver.expect(new, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+        sender.send(new, new, dst)
+        assert sender.reply() == ("posted", new) and sender.reply() == ("sent", new)
+        rt2.wait()
+        assert pools.mismatches(dst, new) == []
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_fence_held_past_its_timeout_is_given_up_and_a_late_write_is_counted() -> None:
+    """A sender that never finishes its message (dead, or stopped for longer than
+    ``fence_timeout_s``) cannot hold the blocks for ever: past the timeout the transfer settles
+    (the blocks can be freed) and the expiry is counted; if the write does land after all, it is
+    counted too (``late_writes``, the alarm ``pdserve_kv_fence_late_writes_total``)."""
+    receiver = UCXTransport(BIG, fence_timeout_s=0.5)
+    sender = StoppableSender(receiver.address())
+    pools = Pools(BIG, BIG_POOL)
+    dst = torch.arange(8, 8 + BIG_BLOCKS)
+    try:
+        rt = stop_half_way(sender, receiver, pools, dst)
+        rt.settled.result(timeout=10.0)  # given up after 0.5 s
+        assert rt.expired and receiver.counters().fences_expired == 1
+        assert receiver.counters().unsettled_blocks == 0
+        os.kill(sender.proc.pid, signal.SIGCONT)
+        assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
+        wait_for(lambda: receiver.counters().late_writes >= 1, what="the late write's count")
+    finally:
+        sender.close()
+        receiver.close()
