@@ -22,6 +22,9 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_kv_unsettled_blocks        blocks held until a half-landed write completes
               pdserve_kv_fence_late_writes_total  writes that landed after that hold expired
               pdserve_requests_running, pdserve_requests_waiting, pdserve_kv_blocks{state}
+              pdserve_kv_cache_utilization    used / total KV blocks, 0..1 (what a decode
+                                              HorizontalPodAutoscaler scales on: deploy/k8s)
+              pdserve_batch_utilization       running requests / --max-num-seqs, 0..1
 """
 
 from __future__ import annotations
@@ -215,6 +218,16 @@ class WorkerMetrics(_Metrics):
             "pdserve_kv_transfer_failures", "KV transfers that failed", ["direction"], registry=r
         )
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["state"], registry=r)
+        self.kv_utilization = Gauge(
+            "pdserve_kv_cache_utilization",
+            "Fraction of KV cache blocks in use (reserved by admitted requests), 0 to 1",
+            registry=r,
+        )
+        self.batch_utilization = Gauge(
+            "pdserve_batch_utilization",
+            "Running requests as a fraction of the most the engine batches (--max-num-seqs)",
+            registry=r,
+        )
 
     def watch(
         self,
@@ -222,12 +235,17 @@ class WorkerMetrics(_Metrics):
         num_waiting: Callable[[], int],
         num_free_blocks: Callable[[], int],
         num_total_blocks: int,
+        max_num_seqs: int,
     ) -> None:
         """Read these at every scrape."""
         self.running.set_function(num_running)
         self.waiting.set_function(num_waiting)
         self.kv_blocks.labels("free").set_function(num_free_blocks)
         self.kv_blocks.labels("used").set_function(lambda: num_total_blocks - num_free_blocks())
+        self.kv_utilization.set_function(
+            lambda: (num_total_blocks - num_free_blocks()) / max(num_total_blocks, 1)
+        )
+        self.batch_utilization.set_function(lambda: num_running() / max(max_num_seqs, 1))
 
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_seconds.labels(direction).observe(seconds)

@@ -288,7 +288,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         engine_args(w)
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, default=0, help="0 picks a free port")
-        w.add_argument("--gateway", default=None, help="register with this gateway (host:port)")
+        w.add_argument(
+            "--gateway",
+            default=None,
+            metavar="HOST:PORT[,HOST:PORT...]",
+            help="register with every gateway these name; a HOST that resolves to several "
+            "addresses (a headless Kubernetes Service) means each of them, resolved again on "
+            "every heartbeat round",
+        )
         w.add_argument(
             "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
         )

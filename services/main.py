@@ -32,6 +32,11 @@ from pdserve.services import lifecycle
 from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway.auth import KeyFileError
 from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.registration import (
+    NoGatewayError,
+    Registration,
+    RegistrationRefusedError,
+)
 
 from pdserve import rpc, telemetry, tls
 from pdserve.config import EngineConfig
@@ -39,8 +44,14 @@ from pdserve.engine import LLMEngine
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
 from pdserve.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generation_pb2, worker_pb2_grpc
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
+
+# A health "service" (no RPCs) that says whether the process should be restarted: SERVING from
+# start to stop, also while draining or unregistered; a worker's turns NOT_SERVING only when its
+# engine thread has died (it never recovers). Kubernetes' liveness probes ask for it; readiness
+# asks for "" (can this server do its work now).
+LIVENESS = "pdserve.Liveness"
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,9 @@ class WorkerOptions:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
-    gateway: str | None = None  # register with this gateway
+    # register with every gateway this names: HOST:PORT[,HOST:PORT...], each HOST re-resolved
+    # every heartbeat round (services/registration.py)
+    gateway: str | None = None
     transport: str = "ucx"
     advertise: str | None = None  # address registered with the gateway; default host:port
     metrics_port: int = 0  # /metrics over HTTP; 0 picks a port, -1 turns it off
@@ -155,76 +168,6 @@ def kv_layout(engine: LLMEngine, model_name: str):
     )
 
 
-class RegistrationRefusedError(RuntimeError):
-    """The gateway refused this worker (its KV layout differs from its peers', say): the message
-    is the gateway's reason. The ``pdserve <role>`` process prints it and exits with code 2."""
-
-
-class Registration:
-    """Register with the gateway, then heartbeat at a third of the lease; re-register when the
-    gateway forgot this worker (its lease ran out, or the gateway restarted)."""
-
-    def __init__(
-        self,
-        gateway: str,
-        worker_id: str,
-        role: str,
-        address: str,
-        layout,
-        tls_config: tls.TLSConfig | None = None,
-        cluster_token: str | None = None,
-    ) -> None:
-        credentials = tls.channel_credentials(tls_config) if tls_config is not None else None
-        self.channel = rpc.channel(gateway, credentials, tls.channel_options(tls_config))
-        self.metadata = ((tls.TOKEN_METADATA_KEY, cluster_token),) if cluster_token else ()
-        self.stub = worker_pb2_grpc.RegistryStub(self.channel)
-        self.request = worker_pb2.RegisterRequest(
-            worker_id=worker_id,
-            role=role,
-            address=address,
-            layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash),
-        )
-        self.period = 1.0
-
-    async def register(self) -> None:
-        """Raises RegistrationRefusedError with the gateway's reason when it refuses this worker."""
-        try:
-            resp = await self.stub.Register(self.request, timeout=10, metadata=self.metadata)
-        except grpc.aio.AioRpcError as e:
-            if e.code() in (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.UNAUTHENTICATED,
-            ):
-                raise RegistrationRefusedError(e.details()) from None
-            raise
-        self.period = max(resp.lease_ms / 3000, 0.1)
-
-    async def heartbeat(self) -> None:
-        """Renew the lease; register again when the gateway forgot this worker. A gateway that
-        does not answer is tried again next time."""
-        try:
-            hb = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
-            resp = await self.stub.Heartbeat(
-                hb, timeout=min(5.0, self.period), metadata=self.metadata
-            )
-            if not resp.known:
-                await self.register()
-        except grpc.aio.AioRpcError:
-            pass
-
-    async def deregister(self, reason: str) -> None:
-        """Leave at once (best effort: a gateway that does not answer lets the lease run out)."""
-        try:
-            await self.stub.Deregister(
-                worker_pb2.DeregisterRequest(worker_id=self.request.worker_id, reason=reason),
-                timeout=2,
-                metadata=self.metadata,
-            )
-        except grpc.aio.AioRpcError:
-            pass
-
-
 def _worker_parts(opts: WorkerOptions):
     """A worker's engine, KV layout, worker and gRPC server, none of them started yet."""
     from pdserve.services.decode.servicer import DecodeServicer
@@ -248,6 +191,7 @@ def _worker_parts(opts: WorkerOptions):
         lambda: engine.stats().num_waiting,
         lambda: engine.num_free_blocks,
         engine.stats().num_total_blocks,
+        opts.engine.scheduler.max_num_seqs,
     )
     if opts.role == "prefill":
         worker = PrefillWorker(engine, transport, metrics)
@@ -304,6 +248,7 @@ class WorkerServer:
             served.metrics_address = _serve_metrics(worker.metrics, opts.host, opts.metrics_port)
             worker.start(asyncio.get_running_loop())
             await server.set_serving(False)
+            await server.set_serving(True, [LIVENESS])
             await server.start()
             if opts.gateway:
                 served._registration = Registration(
@@ -337,6 +282,8 @@ class WorkerServer:
         if self.draining:
             return
         problem = self._engine_problem()
+        if not self.worker.loop.alive:  # for good: let the orchestrator restart the process
+            await self.server.set_serving(False, [LIVENESS])
         if (problem is None) == self.healthy:
             return
         reg = self._registration
@@ -365,11 +312,12 @@ class WorkerServer:
             await asyncio.sleep(tick)
             try:
                 await self._check()
-            except grpc.aio.AioRpcError:
-                continue  # registering again failed: the gateway is away; try next time
+            except (grpc.aio.AioRpcError, NoGatewayError):
+                continue  # registering again failed: the gateways are away; try next time
             if reg is not None and self.healthy and loop.time() >= next_beat:
+                started = loop.time()  # a slow round (a gateway not answering) takes from the gap
                 await reg.heartbeat()
-                next_beat = loop.time() + reg.period
+                next_beat = started + reg.period
 
     async def drain(self, timeout: float) -> bool:
         """Say NOT_SERVING, deregister, refuse new requests (UNAVAILABLE: the gateway tries
@@ -408,7 +356,7 @@ class WorkerServer:
         self.worker.stop()
         self.worker.metrics.close()
         if self._registration is not None:
-            await self._registration.channel.close()
+            await self._registration.close()
 
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -521,6 +469,7 @@ class GatewayServer:
                 await served.http.start()
             if registry_server is not None:
                 await registry_server.start()
+            await server.set_serving(True, [LIVENESS])
             await server.start()
             served._health = asyncio.create_task(served._watch_health())
             if opts.config.probe_interval_s > 0:

@@ -14,7 +14,7 @@ import threading
 
 import grpc
 import pytest
-from pdserve.services.main import GENERATION, WorkerServer
+from pdserve.services.main import GENERATION, LIVENESS, WorkerServer
 
 from pdserve import Client, SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -96,6 +96,7 @@ def test_a_worker_is_not_serving_until_it_is_registered(cluster):
         address = registry.addresses[0]  # it serves gRPC already: health answers
         assert health(address) == NOT_SERVING
         assert health(address, "pdserve.v1.Decode") == NOT_SERVING
+        assert health(address, LIVENESS) == SERVING  # registering: not ready, but alive
         c.loop.loop.call_soon_threadsafe(registry.release.set)
         c.workers["decode-0"] = w = starting.result(30)
         assert w.healthy
@@ -109,6 +110,7 @@ def test_the_gateway_serves_only_while_a_request_can_be_served(cluster):
     c = cluster(prefill=0, decode=0)
     assert health(c.address) == health(c.address, GENERATION) == NOT_SERVING
     assert health(c.address, "pdserve.v1.Registry") == SERVING  # workers can register
+    assert health(c.address, LIVENESS) == SERVING
     with Client(c.address, timeout=30) as client:
         with pytest.raises(grpc.RpcError) as err:
             client.complete([1, 2, 3], PARAMS)
@@ -200,6 +202,8 @@ def test_a_dead_engine_thread_makes_its_worker_unavailable_and_unlisted(cluster)
     )
     wait_until(lambda: health(dead.address) == NOT_SERVING, 10, "NOT_SERVING")
     assert health(dead.address, "pdserve.v1.Decode") == NOT_SERVING
+    assert health(dead.address, LIVENESS) == NOT_SERVING  # for good: to be restarted
+    assert health(c.workers["colocated-1"].address, LIVENESS) == SERVING
     wait_until(lambda: not _listed(c, dead), 5, "the gateway to drop the dead worker")
     with pytest.raises(grpc.RpcError) as err:  # a new request fails at once, it does not hang
         _local_generate(dead.address, "again")
@@ -228,6 +232,7 @@ def test_draining_a_decode_worker_lets_its_streams_finish_and_sends_new_requests
             draining = asyncio.run_coroutine_threadsafe(d0.drain(30), c.loop.loop)
             wait_until(lambda: not _listed(c, d0), 5, "decode-0 to deregister")
             assert health(d0.address) == health(d0.address, "pdserve.v1.Decode") == NOT_SERVING
+            assert health(d0.address, LIVENESS) == SERVING  # draining is no reason to restart
             with pytest.raises(grpc.RpcError) as err:  # a new admission there: UNAVAILABLE
                 _local_generate(d0.address)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -272,6 +277,7 @@ def test_a_draining_gateway_refuses_new_requests_and_finishes_running_ones(clust
         try:
             draining = asyncio.run_coroutine_threadsafe(c.gateway.drain(30), c.loop.loop)
             wait_until(lambda: health(c.address) == NOT_SERVING, 5, "the gateway: NOT_SERVING")
+            assert health(c.address, LIVENESS) == SERVING
             with pytest.raises(grpc.RpcError) as err:
                 client.complete([1, 2, 3], PARAMS)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
