@@ -101,18 +101,30 @@ def actions(up: Up) -> float:
     return sum(v for (name, _), v in m.items() if name in ACTIONS)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def inject(up: Up, args, rng: random.Random, stop: threading.Event, log: list[dict]) -> None:
     """Every few seconds a fault on a random worker: SIGKILL (pdserve up restarts it) or SIGSTOP
     for a while, then SIGCONT. Waits for the gateway to act on each before the next."""
     for _ in range(args.faults):
         if stop.wait(rng.uniform(args.fault_gap_s / 2, args.fault_gap_s * 1.5)):
             return
-        name = rng.choice(sorted(up.workers))
+        # a worker that is up (one killed earlier may still be restarting)
+        name = rng.choice([n for n, (pid, _) in sorted(up.workers.items()) if _alive(pid)])
         pid, _ = up.workers[name]
         kind = rng.choice(("kill", "stop"))
         before = actions(up)
         t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        except ProcessLookupError:  # it died meanwhile: no fault this round
+            continue
         acted = None
         while time.monotonic() - t0 < args.stop_s:
             if actions(up) > before:
