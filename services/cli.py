@@ -82,7 +82,8 @@ def cluster_token(args) -> str | None:
 
 
 def cmd_worker(args) -> int:
-    from pdserve.services.main import WorkerOptions, run, serve_worker
+    from pdserve.services.main import WorkerOptions, serve_worker
+    from pdserve.services.process import run
 
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -108,7 +109,8 @@ def cmd_worker(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from pdserve.services.main import GatewayOptions, run, serve_gateway
+    from pdserve.services.gateway.server import GatewayOptions, serve_gateway
+    from pdserve.services.process import run
 
     return run(
         serve_gateway(

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from pdserve.services.cli import engine_config
-from pdserve.services.main import LIVENESS
+from pdserve.services.process import LIVENESS
 from pdserve.services.registration import parse_gateways
 
 from pdserve.cli import build_parser

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.main import GatewayOptions, GatewayServer, WorkerOptions, WorkerServer
+from pdserve.services.gateway.server import GatewayOptions, GatewayServer
+from pdserve.services.main import WorkerOptions, WorkerServer
 from safetensors.torch import save_file
 
 from pdserve.certs import CertFiles

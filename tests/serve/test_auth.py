@@ -15,7 +15,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.services.gateway.auth import KeyFileError, KeyLimits, add_key
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.main import GatewayOptions, GatewayServer
+from pdserve.services.gateway.server import GatewayOptions, GatewayServer
 from prometheus_client import generate_latest
 
 from pdserve import Client, SamplingParams

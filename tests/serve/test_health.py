@@ -14,7 +14,9 @@ import threading
 
 import grpc
 import pytest
-from pdserve.services.main import GENERATION, LIVENESS, WorkerServer
+from pdserve.services.gateway.server import GENERATION
+from pdserve.services.main import WorkerServer
+from pdserve.services.process import LIVENESS
 
 from pdserve import Client, SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc

@@ -18,12 +18,8 @@ import httpx
 import openai
 import pytest
 from cryptography import x509
-from pdserve.services.main import (
-    GatewayOptions,
-    RegistrationRefusedError,
-    WorkerOptions,
-    WorkerServer,
-)
+from pdserve.services.gateway.server import GatewayOptions
+from pdserve.services.main import RegistrationRefusedError, WorkerOptions, WorkerServer
 
 from pdserve import Client, SamplingParams
 from pdserve.certs import CertFiles, CertificateAuthority, make_cluster_certs
