@@ -183,3 +183,31 @@ def test_layer_loop_on_quantized_weights_equals_module_path():
     with model.module_path():
         without = runner.forward_logits(inputs)
     assert torch.equal(with_loop, without)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_qkv_bias", "mha_tied"])
+@pytest.mark.parametrize("mode", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_quantized_at_load_on_small_models(tiny_model, kind, mode):
+    """Any dense model quantizes at load: biases kept, an untied embedding stays dense, a tied
+    one is held once, quantized, with the lm_head; with 8 bits the first greedy token is the
+    dense one's (4 bits move these tiny random models' near ties: they only have to run)."""
+    path = str(tiny_model(kind)[0])
+    outs = {}
+    for q in ("none", mode):
+        llm = LLM(
+            path,
+            dtype="float32",
+            quantization=q,
+            threads=1,
+            cache=CacheConfig(kv_cache_bytes=16 << 20),
+        )
+        model = llm.engine.runner.model
+        if q != "none":
+            assert all(isinstance(lin.weight, QuantizedWeight) for _, lin in projections(llm))
+            tied = model.config.tie_word_embeddings
+            assert isinstance(model.embed_tokens.weight, torch.Tensor) != tied
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        outs[q] = llm.generate([[5, 6, 7, 8, 9]], params)[0].token_ids
+    assert len(outs[mode]) == 1
+    if mode in ("int8", "q8_0"):
+        assert outs[mode] == outs["none"]
