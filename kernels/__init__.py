@@ -32,6 +32,10 @@ cpu       ``kernels.cpu`` (C kernels; SDPA for         the C kernel cannot build
 other     ``kernels.reference``
 ========  ==========================================  =====================================
 
+Quantized weights (``kernels/quantized.py``: ``QuantizedWeight``, ``quantize``, ``concat``):
+every backend's ``linear`` takes one in place of a dense weight, and
+``quantized_embedding(ids, weight, dtype)`` looks rows up in one.
+
 ``PDSERVE_KERNEL_BACKEND`` (``envs.kernel_backend()``) forces "reference", "cpu" or "triton".
 """
 
@@ -42,6 +46,13 @@ import logging
 from types import ModuleType
 
 import torch
+from pdserve.kernels.quantized import (  # noqa: F401 - re-exported for the engine
+    GGUF_TYPES,
+    QTYPES,
+    QuantizedWeight,
+    concat,
+    quantize,
+)
 
 from pdserve import envs
 

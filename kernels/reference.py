@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from pdserve.kernels.quantized import QuantizedWeight, embedding_reference
 
 
 def write_kv(
@@ -181,9 +182,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias`` (``torch.nn.functional.linear``): x ``[..., K]``, weight ``[N, K]``.
 
     The model's projections go through this, so a backend can stream the weights its own way
-    when only a few rows of x (decode tokens) multiply them.
+    when only a few rows of x (decode tokens) multiply them. ``weight`` may be a
+    ``QuantizedWeight`` (``kernels/quantized.py``): dequantized, then the same.
     """
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def quantized_embedding(
+    ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows ``ids`` of a quantized ``weight`` ``[vocab, hidden]``, dequantized, in ``dtype``."""
+    return embedding_reference(ids, weight, dtype)
 
 
 def rms_norm(

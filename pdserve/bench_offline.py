@@ -218,6 +218,7 @@ def run_offline_bench(args) -> dict:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         threads=args.threads,
         cache=CacheConfig(
@@ -242,6 +243,8 @@ def run_offline_bench(args) -> dict:
         "machine": machine_description(),
         "model": args.model,
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "quantization": args.quantization,
+        "weight_bytes": engine.runner.weight_bytes(),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "prefill_s": time_prefill(llm, args.prompt_len),
@@ -256,7 +259,8 @@ def run_offline_bench(args) -> dict:
         )
     print(f"machine: {result['machine']}")
     print(
-        f"model: {args.model} ({result['dtype']}), prompt {args.prompt_len} tokens, {args.output_len} new"
+        f"model: {args.model} ({result['dtype']}, weights {args.quantization}, "
+        f"{result['weight_bytes'] / 1e6:.0f} MB), prompt {args.prompt_len} tokens, {args.output_len} new"
     )
     print(
         f"prefill: {result['prefill_s'] * 1e3:.0f} ms for {args.prompt_len} tokens "

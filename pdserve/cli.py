@@ -35,6 +35,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=EngineConfig.device)
     p.add_argument(
+        "--quantization",
+        default=EngineConfig.quantization,
+        help="projection weights: none (dense, default), gguf (a GGUF model's own Q4_1/Q4_0/Q8_0 "
+        "blocks, e.g. the default model's 4-bit weights), or quantized at load: int8 (per "
+        "channel), q8_0, q4_1, q4_0",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=EngineConfig.threads,
@@ -60,6 +67,7 @@ def _llm_from(args):
     return LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         threads=args.threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),

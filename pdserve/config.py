@@ -45,6 +45,12 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         ) from None
 
 
+# How the projection weights are held (``--quantization``): "none" (dense, in the dtype), "gguf"
+# (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, as the file has them), or quantized at load: "int8"
+# (per output channel, symmetric), "q8_0", "q4_1", "q4_0" (GGUF's block formats).
+QUANTIZATIONS = ("none", "gguf", "int8", "q8_0", "q4_1", "q4_0")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: ``block_size`` tokens per block; pool size from bytes or a memory fraction."""
@@ -93,6 +99,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None: all cores of the machine
     seed: int = 0
+    quantization: str = "none"  # QUANTIZATIONS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -103,6 +110,12 @@ class EngineConfig:
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; use one of: {', '.join(QUANTIZATIONS)}"
+            )
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError("quantized weights run on the CPU only; use --quantization none")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 

@@ -75,6 +75,7 @@ class LLMEngine:
             self.dtype,
             torch.device(config.device),
             self.max_model_len,
+            config.quantization,
         )
         self.allocator = BlockAllocator(self.runner.pool.num_blocks)
         self.scheduler = Scheduler(

@@ -26,6 +26,12 @@ def layer_loop_enabled() -> bool:
     return os.environ.get("PDSERVE_LAYER_LOOP", "1") != "0"
 
 
+def quant_isa() -> str:
+    """Which build of the quantized-weight kernels the CPU backend uses (PDSERVE_QUANT_ISA):
+    "native" (default: AVX-512 where the CPU has it, else AVX2), "avx2" or "portable"."""
+    return os.environ.get("PDSERVE_QUANT_ISA") or "native"
+
+
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

@@ -27,6 +27,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         *,
         dtype: str = "auto",
+        quantization: str = "none",
         device: str = "cpu",
         threads: int | None = None,
         seed: int = 0,
@@ -37,6 +38,7 @@ class LLM:
             EngineConfig(
                 model=model,
                 dtype=dtype,
+                quantization=quantization,
                 device=device,
                 threads=threads,
                 seed=seed,

@@ -14,6 +14,7 @@ from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
+from pdserve.model.quantize import quantize_model, weight_bytes
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampler import sample
@@ -25,16 +26,26 @@ LayerHook = Callable[[ScheduledBatch, int, torch.Tensor, torch.Tensor], None]
 
 
 def load_model(
-    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
     model = model.to(device=device, dtype=dtype).eval()
+    quantize_model(model, quantization, folder)
     prepack = getattr(model.ops, "prepack_linear", None)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):  # the rope tables stay fp32 (rounded at use)
             module.float()
-        if prepack is not None and isinstance(module, torch.nn.Linear):
+        if (
+            prepack is not None
+            and isinstance(module, torch.nn.Linear)
+            and isinstance(module.weight, torch.Tensor)
+        ):
             prepack(module.weight)  # a backend's own weight layout, made before the first request
     return model
 
@@ -64,14 +75,19 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        quantization: str = "none",
     ) -> None:
         self.cfg = cfg
         self.device = device
         self.block_size = cache.block_size
-        self.model = load_model(folder, cfg, dtype, device, max_model_len)
+        self.model = load_model(folder, cfg, dtype, device, max_model_len, quantization)
         self.pool = KVCachePool(
             cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
         )
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads (each tensor once, quantized or dense)."""
+        return weight_bytes(self.model)
 
     def slot(self, seq: Sequence, position: int) -> int:
         return (

@@ -23,6 +23,7 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         threads=args.threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),

@@ -108,6 +108,8 @@ def cmd_up(args) -> int:
         args.model,
         "--dtype",
         args.dtype,
+        "--quantization",
+        args.quantization,
         "--block-size",
         str(args.block_size),
         *observe,

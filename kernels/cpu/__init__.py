@@ -16,6 +16,7 @@ from pdserve.kernels.cpu.ops import (
     scatter_blocks,
     write_kv,
 )
+from pdserve.kernels.cpu.quant import embedding as quantized_embedding
 
 __all__ = [
     "argmax",
@@ -31,6 +32,7 @@ __all__ = [
     "paged_decode_attention",
     "prefill_attention",
     "prepack_linear",
+    "quantized_embedding",
     "rms_norm",
     "rope_write_kv",
     "scatter_blocks",

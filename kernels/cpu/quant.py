@@ -1,0 +1,175 @@
+"""CPU kernels for quantized weights (``quant.c``): ``linear`` and the embedding lookup on a
+``QuantizedWeight`` (``kernels/quantized.py``), the GGUF blocks read as they are.
+
+- Up to ``QLINEAR_MAX_ROWS`` rows of x (decode): in C, the weights streamed once per pass and
+  dequantized in registers (few rows) or a few rows at a time into an L1 scratch (more rows).
+- More rows (prefill): ``TILE_BYTES`` of weight rows at a time dequantized into one fp32 buffer
+  (cache resident) and multiplied by torch's GEMM, the output built transposed tile by tile.
+
+Three builds of ``quant.c``, one per instruction set: "native" (AVX-512 where the CPU has it,
+else AVX2), "avx2" (``-mno-avx512f``) and "portable" (``-mno-avx``); ``PDSERVE_QUANT_ISA``
+picks the one the backend uses (tests build each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from pdserve.kernels.cpu.build import BuildError, load_library
+from pdserve.kernels.quantized import QuantizedWeight
+
+from pdserve import envs
+
+_SOURCE = Path(__file__).with_name("quant.c")
+ISA_FLAGS = {
+    "native": ("-ffp-contract=off",),
+    "avx2": ("-ffp-contract=off", "-mno-avx512f"),
+    "portable": ("-ffp-contract=off", "-mno-avx"),
+}
+ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
+# Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
+QLINEAR_MAX_ROWS = 64
+TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class QDesc(ctypes.Structure):
+    """quant.c's QDesc: a quantized weight as the layer loop passes it."""
+
+    _fields_ = [("w", _P), ("scale", _P), ("qt", _I32)]
+
+
+@functools.cache
+def library(isa: str | None = None) -> ctypes.CDLL:
+    """quant.c built for ``isa`` (``ISA_FLAGS``; None: ``PDSERVE_QUANT_ISA``); BuildError if it
+    cannot be built."""
+    isa = isa or envs.quant_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"PDSERVE_QUANT_ISA={isa!r}; use one of {', '.join(ISA_FLAGS)}")
+    lib = load_library(_SOURCE, ISA_FLAGS[isa])
+    lib.pdserve_qlinear.argtypes = [_P, _P, _I32, _P, _P, _P, _I64, _I64, _I64, _I32, _I32]
+    lib.pdserve_qlinear.restype = ctypes.c_int
+    lib.pdserve_qdequant.argtypes = [_P, _I32, _P, _P, _I64, _I64, _I64, _P, _I32]
+    lib.pdserve_qdequant.restype = ctypes.c_int
+    lib.pdserve_qlinear_desc.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
+    lib.pdserve_qlinear_desc.restype = None
+    return lib
+
+
+def isa_of(lib: ctypes.CDLL) -> str:
+    """The instruction set a build of quant.c holds: "avx512", "avx2" or "portable"."""
+    return ISA_CODES[lib.pdserve_quant_isa()]
+
+
+def available() -> bool:
+    try:
+        library()
+        return True
+    except BuildError:
+        return False
+
+
+def _scale_ptr(w: QuantizedWeight) -> int | None:
+    return None if w.scale is None else w.scale.data_ptr()
+
+
+def dequantize_rows(
+    w: QuantizedWeight,
+    first: int,
+    n: int,
+    out: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Rows ``first .. first+n-1`` (or ``ids``, int64) of ``w`` dequantized into fp32 ``out``."""
+    lib = lib or library()
+    rc = lib.pdserve_qdequant(
+        w.data.data_ptr(),
+        w.qtype,
+        _scale_ptr(w),
+        None if ids is None else ids.data_ptr(),
+        first,
+        n,
+        w.shape[1],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"quantized format {w.qtype} with K = {w.shape[1]} is not supported")
+    return out
+
+
+def embedding(ids: torch.Tensor, w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of ``w`` (the embedding lookup of a quantized, tied embedding)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < w.shape[0]):
+        raise IndexError(f"token id out of range [0, {w.shape[0]})")
+    out = torch.empty(flat.numel(), w.shape[1], dtype=torch.float32)
+    dequantize_rows(w, 0, flat.numel(), out, flat)
+    return out.to(dtype).reshape(*ids.shape, w.shape[1])
+
+
+def _tiled(x2: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+    """x2 [M, K] (fp32) @ dequant(w)^T by tiles of weight rows, as fp32 [M, N]."""
+    n, k = w.shape
+    rows = max(16, TILE_BYTES // (4 * k))
+    buf = torch.empty(min(rows, n), k, dtype=torch.float32)
+    y_t = torch.empty(n, x2.shape[0], dtype=torch.float32)
+    xt = x2.T
+    for n0 in range(0, n, rows):
+        r = min(rows, n - n0)
+        dequantize_rows(w, n0, r, buf, lib=lib)
+        torch.mm(buf[:r], xt, out=y_t[n0 : n0 + r])
+    return y_t.T
+
+
+def linear(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """``x @ dequant(w).T + bias`` for fp32 or bf16 x (y in x's dtype)."""
+    lib = lib or library()
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu:
+        y = x @ w.dequantize(x.dtype).T
+        return y if bias is None else y + bias
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if m > QLINEAR_MAX_ROWS:
+        y = _tiled(x2.float(), w, lib)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.pdserve_qlinear(
+        x2.data_ptr(),
+        w.data.data_ptr(),
+        w.qtype,
+        _scale_ptr(w),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc == -1:
+        raise MemoryError("quantized linear: the C kernel could not allocate its scratch memory")
+    if rc:
+        raise ValueError(f"quantized format {w.qtype} with K = {k} is not supported")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def descriptor(w: QuantizedWeight) -> QDesc:
+    """What the layer loop passes for ``w`` in place of a packed weight (keep ``w`` alive)."""
+    return QDesc(w.data.data_ptr(), _scale_ptr(w), w.qtype)

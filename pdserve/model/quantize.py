@@ -1,0 +1,100 @@
+"""Quantized projection weights at load (``--quantization``; modes: ``config.QUANTIZATIONS``).
+
+After the dense model is loaded, each projection's weight (qkv, o, gate_up, down of every layer,
+and the lm_head) is replaced by a ``kernels.QuantizedWeight``, which the backend's ``linear``
+takes in place of a dense weight:
+
+- ``gguf``: the model's own GGUF blocks (Q4_0, Q4_1, Q8_0), read from the GGUF file kept beside
+  the converted folder (``fetch.gguf_source``), rows as the file has them (q/k unpermuted); a
+  tensor of another GGUF type stays dense.
+- ``int8``, ``q8_0``, ``q4_1``, ``q4_0``: the dense weights quantized here (``kernels.quantize``).
+
+Tied embeddings are quantized with the lm_head (one copy), and the embedding lookup dequantizes
+the rows it needs (``QuantizedEmbedding``); an untied embedding stays dense (only looked up).
+Weights whose K is not a multiple of 32 stay dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdserve import kernels
+from pdserve.model.llama import LlamaForCausalLM, QuantizedEmbedding
+
+
+def _projections(model: LlamaForCausalLM) -> Iterator[tuple[nn.Linear, list[str]]]:
+    """Each projection and the Hugging Face weights stacked into it."""
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        yield attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        yield attn.o_proj, [p + "self_attn.o_proj.weight"]
+        yield mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        yield mlp.down_proj, [p + "mlp.down_proj.weight"]
+    tied = model.config.tie_word_embeddings
+    yield model.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+
+
+def _replace(linear: nn.Linear, weight: kernels.QuantizedWeight) -> None:
+    delattr(linear, "weight")  # the dense parameter goes
+    linear.weight = weight
+
+
+def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> None:
+    """Replace ``model``'s projection weights by quantized ones (``mode``: see the module)."""
+    if mode == "none":
+        return
+    source: dict[str, kernels.QuantizedWeight] | None = None
+    if mode == "gguf":
+        from pdserve.model.fetch import gguf_source
+        from pdserve.model.gguf_convert import quantized_tensors
+
+        source = quantized_tensors(gguf_source(Path(folder)), model.config)
+    elif mode not in kernels.QTYPES:
+        raise ValueError(f"quantization {mode!r} is not supported")
+    dtype = model.norm.weight.dtype
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for linear, names in _projections(model):
+            weight = linear.weight
+            if not isinstance(weight, torch.Tensor) or weight.shape[1] % 32:
+                continue
+            if source is not None:
+                if not all(n in source for n in names):
+                    continue  # a GGUF type we do not read: stays dense
+                parts = [source[n] for n in names]
+                qw = parts[0] if len(parts) == 1 else kernels.concat(parts)
+            else:
+                qw = kernels.quantize(weight, mode)
+            if tuple(qw.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"{names}: quantized shape {qw.shape}, expected {tuple(weight.shape)}"
+                )
+            _replace(linear, qw)
+            if linear is model.lm_head and tied:
+                model.embed_tokens = QuantizedEmbedding(qw, model.ops, dtype)
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the weights a step reads: every parameter and quantized weight once, less an
+    untied embedding table (only its looked-up rows are read)."""
+    seen: set[int] = set()
+    total = 0
+    skip = set() if model.config.tie_word_embeddings else {id(model.embed_tokens.weight)}
+    tensors = list(model.parameters()) + [
+        m.weight
+        for m in model.modules()
+        if isinstance(getattr(m, "weight", None), kernels.QuantizedWeight)
+    ]
+    for t in tensors:
+        if id(t) in seen or id(t) in skip:
+            continue
+        seen.add(id(t))
+        total += (
+            t.nbytes if isinstance(t, kernels.QuantizedWeight) else t.numel() * t.element_size()
+        )
+    return total
