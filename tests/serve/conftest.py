@@ -140,7 +140,7 @@ class Cluster:
         lease_s: float = GatewayConfig.lease_s,
         certs: dict[str, CertFiles] | None = None,
         decode_prefill_budget_s: float = 0.0,
-        watchdog: dict[str, float] | None = None,
+        config: dict[str, float] | None = None,
     ) -> None:
         self.model = model
         self.certs = certs
@@ -159,9 +159,9 @@ class Cluster:
                         # tests see the roles they started: every prompt disaggregated, unless a
                         # test of placement.py asks otherwise
                         decode_prefill_budget_s=decode_prefill_budget_s,
-                        # hang detection off unless asked for: its probes would race the tests
-                        # that stop workers and count retries
-                        **({"probe_interval_s": 0.0} if watchdog is None else watchdog),
+                        # hang detection off without a config (its probes would race the tests
+                        # that stop workers and count retries); a config has it at its defaults
+                        **({"probe_interval_s": 0.0} if config is None else config),
                     ),
                     metrics_port=-1,
                     http_port=0 if http else -1,
@@ -270,11 +270,11 @@ def start_cluster(
     lease_s: float = GatewayConfig.lease_s,
     certs: dict[str, CertFiles] | None = None,
     decode_prefill_budget_s: float = 0.0,
-    watchdog: dict[str, float] | None = None,
+    config: dict[str, float] | None = None,
 ) -> Cluster:
     """A gateway and workers named prefill-0.., decode-0.., colocated-0.., each registered;
-    ``http``: the gateway serves its OpenAI-compatible HTTP API too; ``watchdog``: the hang
-    detection's GatewayConfig fields (None: off)."""
+    ``http``: the gateway serves its OpenAI-compatible HTTP API too; ``config``: more
+    GatewayConfig fields (None: also hang detection off)."""
     c = Cluster(
         model,
         policy,
@@ -284,7 +284,7 @@ def start_cluster(
         lease_s,
         certs,
         decode_prefill_budget_s,
-        watchdog,
+        config,
     )
     try:
         for i in range(prefill):

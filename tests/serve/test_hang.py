@@ -45,7 +45,7 @@ def test_a_decode_worker_whose_engine_hangs_is_evicted_and_its_streams_resume(cl
     # The defaults, but 2 s for the real probe of a worker that answers Stats (20 s by default:
     # a CPU step can take seconds), so a hang of the engine alone is also evicted within 5 s.
     # lease 3 s: heartbeats every second, so it registers again soon after it moves
-    c = cluster(prefill=1, decode=2, watchdog={"engine_timeout_s": 2.0}, lease_s=3.0)
+    c = cluster(prefill=1, decode=2, config={"engine_timeout_s": 2.0}, lease_s=3.0)
     want = _stream_all(c.address, PROMPTS, LONG)  # undisturbed
     hung = _listed(c, "decode-0")
     started = threading.Barrier(len(PROMPTS) + 1)
@@ -92,7 +92,7 @@ def test_a_busy_worker_is_probed_but_not_evicted(cluster):
         probe_timeout_s=2.0,
         engine_timeout_s=2.0,
     )
-    c = cluster(prefill=0, decode=0, colocated=1, watchdog=hasty)
+    c = cluster(prefill=0, decode=0, colocated=1, config=hasty)
     prompts = [list(range(10, 10 + 200 + 10 * i)) for i in range(16)]  # 16 prefills, then decode
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     before = c.gateway_metric("pdserve_probes_total", kind="real", result="ok")
@@ -108,7 +108,7 @@ def test_a_busy_worker_is_probed_but_not_evicted(cluster):
 
 
 def test_an_idle_worker_that_stops_answering_is_evicted_and_its_replacement_registers(cluster):
-    c = cluster(prefill=0, decode=2, watchdog={"probe_interval_s": 0.5})
+    c = cluster(prefill=0, decode=2, config={"probe_interval_s": 0.5})
     gone = _listed(c, "decode-0")
     c.stop_worker("decode-0")  # its server goes away while the gateway still lists it
     stopped = time.monotonic()
@@ -131,7 +131,7 @@ def test_a_hung_idle_worker_is_evicted_and_kept_on_probation_until_it_moves(clus
         prefill=0,
         decode=0,
         colocated=2,
-        watchdog={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5},
+        config={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5},
         lease_s=1.5,  # heartbeats every 0.5 s: it registers again while still hung
     )
     hung = _listed(c, "colocated-0")
@@ -155,7 +155,7 @@ def test_a_hung_idle_worker_is_evicted_and_kept_on_probation_until_it_moves(clus
 
 
 def test_a_prefill_worker_that_stops_answering_is_evicted_on_its_fast_probe(cluster):
-    c = cluster(prefill=2, decode=1, watchdog={"probe_interval_s": 0.5})
+    c = cluster(prefill=2, decode=1, config={"probe_interval_s": 0.5})
     gone = _listed(c, "prefill-0")
     c.stop_worker("prefill-0")
     wait_until(lambda: gone.evicted, 5, "the eviction")

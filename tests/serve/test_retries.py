@@ -64,6 +64,24 @@ def test_a_stream_whose_only_decode_worker_is_lost_ends_with_unavailable(cluster
     assert_no_leaks(c.live())
 
 
+def test_past_max_resumes_a_stream_ends_with_unavailable(cluster):
+    """max_resumes 0: the first mid-stream failure ends the stream, though a worker is left."""
+    c = cluster(prefill=1, decode=2, config={"probe_interval_s": 0.0, "max_resumes": 0})
+    with Client(c.address, timeout=30) as client:
+        stream = client.generate_stream(
+            [5, 6, 7], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+        )
+        next(stream), next(stream)
+        c.stop_worker(_serving(c, "decode"))
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "(0 resumes, at most 0)" in err.value.details()
+    assert c.gateway_metric("pdserve_resumes_total") == 0
+    assert_no_leaks(c.live())
+
+
 def _serving(c, role: str) -> str:
     """The name of the ``role`` worker the gateway has a call running on."""
     busy = {w.address for w in c.gateway.registry.workers.values() if w.calls and w.role == role}
