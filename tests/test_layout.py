@@ -209,3 +209,10 @@ def test_importing_the_client_does_not_load_torch():
     code = "import sys, pdserve.client, pdserve.v1.convert; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by base name (the test folders are not packages): two with one
+    name make the second fail to collect."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
