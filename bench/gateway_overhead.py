@@ -166,6 +166,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client-cpu",
+        type=int,
+        default=0,
+        help="the core this load generator runs on: 0 (beside the gateway) or 1 (beside the "
+        "worker, leaving core 0 to the gateway alone)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
@@ -182,6 +189,7 @@ def main() -> None:
             env=env,
         )
         procs.append(worker.proc)
+        os.sched_setaffinity(0, {args.client_cpu})
         addrs = {"worker": worker.address, "gateway": gw.address, "http": gw.http}
         rng = random.Random(args.seed)
         vocab = 49152
