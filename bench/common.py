@@ -29,24 +29,31 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
         procs.append(gw.proc)
         for argv in workers:
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
-        asyncio.run(run_load(gw.address, 4, 2, None, "64-128", 8, 99, 600))  # warm-up
         cpu = cpu_seconds(procs)
-        summary = asyncio.run(
-            run_load(
-                gw.address,
-                args.requests,
-                args.users,
-                args.rate,
-                args.prompt_words,
-                args.output_len,
-                args.seed,
-                1200,
-            )
-        )
+        summary = warm_then_load(gw.address, args)
         summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu
         return summary
     finally:
         stop_processes(procs)
+
+
+def warm_then_load(address: str, args, tls_ca: str | None = None) -> dict:
+    """A short warm-up, then the load ``args`` describe (requests, users, rate, prompt_words,
+    output_len, seed) against the gateway at ``address``; the load's summary."""
+    asyncio.run(run_load(address, 4, 2, None, "64-128", 8, 99, 600, tls_ca=tls_ca))
+    return asyncio.run(
+        run_load(
+            address,
+            args.requests,
+            args.users,
+            args.rate,
+            args.prompt_words,
+            args.output_len,
+            args.seed,
+            1200,
+            tls_ca=tls_ca,
+        )
+    )
 
 
 def cpu_seconds(procs) -> float:

@@ -36,7 +36,7 @@ from pdserve.bench_serve import WORDS, percentiles  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
-from tests.helpers import assert_no_leaks, scrape_metrics, worker_stats  # noqa: E402
+from tests.helpers import assert_no_leaks, process_alive, scrape_metrics, worker_stats  # noqa: E402
 
 # what the gateway does about a fault, by metric (counters; any of them moving counts)
 ACTIONS = ("pdserve_resumes_total", "pdserve_retries_total", "pdserve_evictions_total")
@@ -101,14 +101,6 @@ def actions(up: Up) -> float:
     return sum(v for (name, _), v in m.items() if name in ACTIONS)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def inject(up: Up, args, rng: random.Random, stop: threading.Event, log: list[dict]) -> None:
     """Every few seconds a fault on a random worker: SIGKILL (pdserve up restarts it) or SIGSTOP
     for a while, then SIGCONT. Waits for the gateway to act on each before the next."""
@@ -116,7 +108,7 @@ def inject(up: Up, args, rng: random.Random, stop: threading.Event, log: list[di
         if stop.wait(rng.uniform(args.fault_gap_s / 2, args.fault_gap_s * 1.5)):
             return
         # a worker that is up (one killed earlier may still be restarting)
-        name = rng.choice([n for n, (pid, _) in sorted(up.workers.items()) if _alive(pid)])
+        name = rng.choice([n for n, (pid, _) in sorted(up.workers.items()) if process_alive(pid)])
         pid, _ = up.workers[name]
         kind = rng.choice(("kill", "stop"))
         before = actions(up)

@@ -7,7 +7,6 @@ processes), each followed by the same closed loop of users, in alternating round
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -17,8 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import ENV, load_parser  # noqa: E402
-from pdserve.bench_serve import run_load  # noqa: E402
+from bench.common import ENV, load_parser, warm_then_load  # noqa: E402
 
 
 def up(tls: bool) -> tuple[subprocess.Popen, str, str | None]:
@@ -47,20 +45,7 @@ def up(tls: bool) -> tuple[subprocess.Popen, str, str | None]:
 def one_round(tls: bool, args) -> dict:
     proc, address, ca = up(tls)
     try:
-        asyncio.run(run_load(address, 4, 2, None, "64-128", 8, 99, 600, tls_ca=ca))  # warm-up
-        return asyncio.run(
-            run_load(
-                address,
-                args.requests,
-                args.users,
-                args.rate,
-                args.prompt_words,
-                args.output_len,
-                args.seed,
-                1200,
-                tls_ca=ca,
-            )
-        )
+        return warm_then_load(address, args, ca)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(120)

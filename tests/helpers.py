@@ -129,3 +129,12 @@ def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
 def metric_value(address: str, name: str, **labels: str) -> float:
     """One sample of the /metrics page at host:port (0 when absent)."""
     return scrape_metrics(address).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -12,20 +12,12 @@ import sys
 import openai
 
 from pdserve import Client, SamplingParams
-from tests.helpers import SERVING, health, wait_until
+from tests.helpers import SERVING, health, process_alive, wait_until
 
 
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint_ignored():
@@ -95,7 +87,7 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
                 if line.startswith(f"pdserve up: {name} restarted (pid "):
                     pids[name] = int(line.split("(pid ")[1].split(",")[0])
                     break
-            assert _alive(pids[name]), f"{name} was not restarted"
+            assert process_alive(pids[name]), f"{name} was not restarted"
         # The workers register again on their next heartbeat; until then the gateway says so.
         wait_until(lambda: health(address) == SERVING, 30, "the restarted gateway serves")
         with Client(address, timeout=120) as client:
@@ -106,7 +98,7 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
-        assert not [p for p in workers if _alive(p)]  # `up` waited for each before it exited
+        assert not [p for p in workers if process_alive(p)]  # `up` waited for each before it exited
     finally:
         if up.poll() is None:
             up.kill()
