@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from pdserve.services import launcher, lifecycle
+from pdserve.services.admin_cli import admin_commands
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
@@ -167,18 +168,6 @@ def cmd_health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def cmd_certs(args) -> int:
-    """Write a new cluster CA and a gateway and a worker certificate into ``args.folder``."""
-    from pathlib import Path
-
-    from pdserve.certs import LOCAL_NAMES, make_cluster_certs
-
-    made = make_cluster_certs(Path(args.folder), (*args.host, *LOCAL_NAMES))
-    for name, f in made.items():
-        print(f"{name}: --tls-ca {f.ca} --tls-cert {f.cert} --tls-key {f.key}")
-    return 0
-
-
 def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     from pdserve.model.fetch import DEFAULT_MODEL
 
@@ -285,7 +274,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     _tls_args(gw)
     _observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
-    _keys_commands(sub)
+    admin_commands(sub)
     for role in ROLES:
         w = sub.add_parser(role, help=f"serve a {role} worker")
         engine_args(w)
@@ -358,19 +347,6 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     h.add_argument("--tls-key", default=None, help="our private key (PEM)")
     h.add_argument("--tls-server-name", default=None, help="the name the server's cert carries")
     h.set_defaults(func=cmd_health)
-    c = sub.add_parser(
-        "certs",
-        help="make a cluster CA (ca.pem; its key is not kept) and gateway and worker "
-        "certificates issued by it, for --tls-ca/--tls-cert/--tls-key",
-    )
-    c.add_argument("folder", help="written into (key files 0600)")
-    c.add_argument(
-        "--host",
-        action="append",
-        default=[],
-        help="a DNS name or IP address the certificates are for (repeatable); loopback is added",
-    )
-    c.set_defaults(func=cmd_certs)
 
 
 def _tls_args(p: argparse.ArgumentParser) -> None:
@@ -394,54 +370,6 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
         help=f"the secret workers register with (prefer ${envs.CLUSTER_TOKEN_ENV}: a flag shows "
         "in the process list)",
     )
-
-
-def cmd_keys(args) -> int:
-    """``pdserve keys add|remove``: edit a key file; ``add`` prints the new key, once."""
-    from pathlib import Path
-
-    from pdserve.services.gateway.auth import KeyLimits, add_key, remove_key
-
-    path = Path(args.file)
-    try:
-        if args.keys_command == "add":
-            limits = KeyLimits(rpm=args.rpm, tpm=args.tpm, concurrency=args.concurrency)
-            print(add_key(path, args.id, limits))
-            print(
-                f"added key {args.id!r} to {path}; the key above is not stored anywhere, keep it "
-                "(a running gateway reads the file again on SIGHUP)",
-                file=sys.stderr,
-            )
-        else:
-            remove_key(path, args.id)
-            print(f"removed key {args.id!r} from {path}", file=sys.stderr)
-    except ValueError as e:
-        print(f"pdserve keys: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _keys_commands(sub) -> None:
-    k = sub.add_parser("keys", help="manage the gateway's API key file")
-    ksub = k.add_subparsers(dest="keys_command", required=True)
-    add = ksub.add_parser("add", help="add a key and print it (once); the file keeps its hash")
-    rm = ksub.add_parser("remove", help="remove a key by id")
-    for p in (add, rm):
-        p.add_argument("--file", required=True, help="the key file (created by add if missing)")
-        p.add_argument("--id", required=True, help="the key's name in logs and metrics")
-    add.add_argument(
-        "--rpm", type=int, default=None, help="requests per minute (default: no limit)"
-    )
-    add.add_argument(
-        "--tpm",
-        type=int,
-        default=None,
-        help="tokens per minute, prompt + max_tokens reserved at admission (default: no limit)",
-    )
-    add.add_argument(
-        "--concurrency", type=int, default=None, help="requests at once (default: no limit)"
-    )
-    k.set_defaults(func=cmd_keys)
 
 
 HTTP_PORT = 8000

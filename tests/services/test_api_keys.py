@@ -9,7 +9,7 @@ import stat
 
 import grpc
 import pytest
-from pdserve.services.cli import cmd_keys
+from pdserve.services.admin_cli import cmd_keys
 from pdserve.services.gateway.auth import (
     ApiKey,
     KeyLimits,
