@@ -18,18 +18,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig
 from pdserve.model.fetch import DEFAULT_MODEL
 from pdserve.scheduler import ScheduledBatch
+from tests.engine.test_default_model import NEW_TOKENS, QUESTIONS  # the suite's prompts
 
-QUESTIONS = [  # the suite's prompts (test_default_model.py)
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers greater than 100.",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue?",
-    "Give me a short recipe for pancakes.",
-    "What does HTTP stand for?",
-]
-NEW_TOKENS = 64
 # int8 bounds, measured on the default model (see test output): relative L2 error of each
 # projection's output on real hidden states, and |first-token logprob difference| in nats.
 # Measured (2026-11-25): worst projection 0.0118, first-token |diff| max 0.205 (mean 0.058) nats.
