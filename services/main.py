@@ -92,6 +92,18 @@ def kv_layout(engine: LLMEngine, model_name: str):
     )
 
 
+def _transport_options(opts: WorkerOptions) -> dict[str, object]:
+    """UCX: a decode worker listens for its senders' liveness connections (transfer/liveness.py)
+    on the gRPC host, at an ephemeral port, and publishes the advertised host; a prefill worker
+    receives nothing and listens for nothing."""
+    if opts.transport != "ucx":
+        return {}
+    if opts.role != "decode":
+        return {"liveness_host": None}
+    host = advertised_address(opts.host, 0, opts.advertise).rsplit(":", 1)[0].strip("[]")
+    return {"liveness_host": opts.host, "liveness_advertise": host}
+
+
 def _worker_parts(opts: WorkerOptions):
     """A worker's engine, KV layout, worker and gRPC server, none of them started yet."""
     from pdserve.services.decode.servicer import DecodeServicer
@@ -108,7 +120,7 @@ def _worker_parts(opts: WorkerOptions):
     if opts.role != "colocated":
         from pdserve.transfer import create_transport
 
-        transport = create_transport(opts.transport, layout)
+        transport = create_transport(opts.transport, layout, **_transport_options(opts))
     metrics = WorkerMetrics()
     metrics.watch(
         lambda: engine.stats().num_running,

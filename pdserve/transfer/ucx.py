@@ -46,7 +46,10 @@ Failures, each tried here with processes on loopback and SIGKILL:
   * a sender stopped (SIGSTOP) in the middle of a message writes the rest of it after SIGCONT,
     even though the receiver cancelled the receive (UCX cannot cancel a matched one): the
     transfer settles only when that receive completes, and only then are its blocks freed
-    (fence.py, ucx_direct_recv.py).
+    (fence.py, ucx_direct_recv.py);
+  * a sender killed in the middle of a message never completes it: the receiver learns that it
+    is gone when the kernel closes the sender's liveness connection (liveness.py) and settles
+    the transfer a grace second later, instead of holding its blocks until ``fence_timeout_s``.
 
 Throughput and where the time goes: docs/benchmarks.md ("KV transfer"). Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
 (cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
@@ -62,6 +65,7 @@ import torch
 from pdserve.transfer.base import KVTransport, PeerHandle
 from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout, LayerHeader, pack_address
+from pdserve.transfer.liveness import LivenessListener, pack_endpoint
 from pdserve.transfer.pool_copy import KVDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.ucx_buffers import MessagePool, PoolBytes
@@ -97,6 +101,8 @@ class UCXTransport(KVTransport):
         drain_seconds: float = 30.0,
         max_segments: int = DEFAULT_MAX_SEGMENTS,
         fence_timeout_s: float | None = DEFAULT_FENCE_TIMEOUT_S,
+        liveness_host: str | None = "127.0.0.1",
+        liveness_advertise: str | None = None,
     ) -> None:
         if recv_window < 1:
             raise ValueError(f"recv_window must be >= 1, got {recv_window}")
@@ -110,7 +116,6 @@ class UCXTransport(KVTransport):
         self._ucx = UCXWorkerThread(
             {**DEFAULT_UCX_OPTIONS, **cpu, **(ucx_options or {})}, self.device
         )
-        self._address = pack_address(layout, bytes(self._ucx.worker.address))
         self._sender = UCXSender(self._ucx, layout, self._messages)
         self.fence = BlockFence()
         self._receiver = UCXReceiver(
@@ -127,6 +132,14 @@ class UCXTransport(KVTransport):
         )
         if max_segments >= 1:
             self.direct = UCXDirectPath(self._sender, layout, pool_bytes, max_segments)
+        # senders connect here so that their death is seen (liveness.py); None: no listener
+        self._liveness = None
+        endpoint = pack_endpoint("", 0)
+        if liveness_host is not None:
+            self._liveness = LivenessListener(liveness_host, self._receiver.sender_gone)
+            advertised = liveness_advertise or liveness_host
+            endpoint = pack_endpoint(advertised, self._liveness.port)
+        self._address = pack_address(layout, endpoint + bytes(self._ucx.worker.address))
 
     def close(self) -> None:
         if self._closed:
@@ -137,6 +150,9 @@ class UCXTransport(KVTransport):
         finally:
             self._closed = self._receiver.closed = self._sender.closed = True
             self._ucx.stop()
+            self._sender.links.close()  # after the endpoints: nothing of ours is under way now
+            if self._liveness is not None:
+                self._liveness.close()
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -147,6 +163,10 @@ class UCXTransport(KVTransport):
 
     def address(self) -> bytes:
         return self._address
+
+    def live_senders(self) -> int:
+        """Senders whose liveness connection to this receiver is open (liveness.py)."""
+        return self._liveness.senders if self._liveness is not None else 0
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         return self._receiver.expect(transfer_id, destination, timeout)

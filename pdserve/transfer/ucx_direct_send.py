@@ -21,6 +21,7 @@ from pdserve import kernels
 from pdserve.transfer.base import PeerHandle
 from pdserve.transfer.direct import DirectPath, DirectPlan
 from pdserve.transfer.header import KVLayout, LayerHeader
+from pdserve.transfer.liveness import stamp_sender
 from pdserve.transfer.plan import (
     PLAN_SUB,
     TRAILER_SUB,
@@ -95,7 +96,8 @@ class UCXDirectPath(DirectPath):
             return None
         ucx_peer = self.sender.as_peer(peer)
         plan = DirectPlanUCX(self.layout, transfer_id, list(src_block_ids), starts, traceparent)
-        return plan, self.sender.send_small(ucx_peer, plan.message, transfer_id, PLAN_SUB, timeout)
+        message = stamp_sender(plan.message, self.sender.links.sender_id)  # liveness.py
+        return plan, self.sender.send_small(ucx_peer, message, transfer_id, PLAN_SUB, timeout)
 
     def send_layer(
         self,

@@ -13,6 +13,7 @@ queue.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from pdserve.transfer.errors import HeaderMismatchError, PeerUnreachableError, TransferError
 from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout
+from pdserve.transfer.liveness import GONE_GRACE_S, read_sender
 from pdserve.transfer.plan import (
     PLAN_NBYTES,
     PLAN_SUB,
@@ -34,7 +36,7 @@ from pdserve.transfer.pool_copy import KVDestination, PoolDestination
 from pdserve.transfer.recv_transfer import RecvTransfer
 from pdserve.transfer.ucx_buffers import Message, MessagePool, PoolBytes
 from pdserve.transfer.ucx_direct_recv import DirectReceive
-from pdserve.transfer.ucx_runtime import UCXWorkerThread, call_or_closed
+from pdserve.transfer.ucx_runtime import UCXWorkerThread, call_or_closed, call_soon_or_closed
 
 ANY_LAYER_MASK = ((1 << 64) - 1) ^ ((1 << SUB_BITS) - 1)
 
@@ -48,6 +50,7 @@ class _Recv:
     plan: tuple[Any, torch.Tensor] | None = None  # the plan's receive and buffer, while posted
     direct: DirectReceive | None = None
     framed_seen: bool = False
+    sender: bytes | None = None  # the sender's id (liveness.py), from the plan
 
 
 @dataclass(eq=False)
@@ -89,6 +92,9 @@ class UCXReceiver:
         self._pool_bytes = pool_bytes
         self._recvs: dict[int, _Recv] = {}
         self._draining: dict[int, _Slot] = {}
+        # Senders known to be gone (liveness.py), and the unsettled transfers of live ones
+        self._gone: dict[bytes, float] = {}  # sender id -> when its last connection ended
+        self._held: dict[bytes, list[RecvTransfer]] = {}
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._ucx)
@@ -198,9 +204,8 @@ class UCXReceiver:
             rec.plan = None
         if rec.direct is not None:  # a receive it cannot cancel holds transfer.settled
             rec.direct.cancel_all()
-            if transfer.unsettled and self.fence_timeout_s is not None:
-                when = time.monotonic() + self.fence_timeout_s
-                self._ucx.call_at(when, self.fence.expire, transfer)
+            if transfer.unsettled:
+                self._hold(transfer, rec.sender)
         for slot in rec.slots:
             if slot.request is not None:  # still posted: cancel it (its buffer is not reused)
                 self._ucx.retire(slot.request, slot.msg)
@@ -211,6 +216,35 @@ class UCXReceiver:
         if exc is not None and not isinstance(exc, PeerUnreachableError):  # not from a dead one
             if not self.closed and self.drain_seconds > 0:
                 self._start_drain(transfer)
+
+    def _hold(self, transfer: RecvTransfer, sender: bytes | None) -> None:
+        """``transfer`` failed with a receive into its blocks under way: they stay fenced until
+        that receive ends, its sender is gone (plus a grace) or ``fence_timeout_s`` passed."""
+        now = time.monotonic()
+        if self.fence_timeout_s is not None:
+            self._ucx.call_at(now + self.fence_timeout_s, self.fence.expire, transfer)
+        if sender is None:
+            return  # sent framed, or its plan not seen: only the timeout
+        if sender in self._gone:
+            self._ucx.call_at(now + GONE_GRACE_S, self.fence.expire, transfer)
+            return
+        held = self._held.setdefault(sender, [])
+        held[:] = [t for t in held if t.unsettled]
+        held.append(transfer)
+
+    def sender_gone(self, sender: bytes) -> None:
+        """From the liveness listener's thread: ``sender`` will never write again."""
+        with contextlib.suppress(TransferError):  # closed: nothing is held any more
+            call_soon_or_closed(self._ucx, self._sender_gone, sender)
+
+    def _sender_gone(self, sender: bytes) -> None:
+        now = time.monotonic()
+        forget = now - max(self.fence_timeout_s or 0.0, 600.0)
+        self._gone = {s: t for s, t in self._gone.items() if t > forget}
+        self._gone[sender] = now
+        for transfer in self._held.pop(sender, []):
+            if transfer.unsettled:
+                self._ucx.call_at(now + GONE_GRACE_S, self.fence.expire, transfer)
 
     def _start_drain(self, transfer: RecvTransfer) -> None:
         """Take and drop late messages of a failed transfer, so that their senders complete."""
@@ -295,6 +329,7 @@ class UCXReceiver:
             return
         if header.traceparent:
             transfer.traceparent = header.traceparent
+        rec.sender = read_sender(memoryview(buf.numpy()))
         self._drop_framed(rec)
         if rec.direct is None:  # staged in message buffers, then landed like framed messages
             rec.direct = self._direct_receive(transfer, starts, None)

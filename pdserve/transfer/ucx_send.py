@@ -28,6 +28,7 @@ from pdserve.transfer.header import (
     unpack_address,
     write_message,
 )
+from pdserve.transfer.liveness import LivenessLinks, new_sender_id, unpack_endpoint
 from pdserve.transfer.plan import PLAN_SUB, message_tag
 from pdserve.transfer.ucx_buffers import Message, MessagePool, RawBuffer, ucx_array
 from pdserve.transfer.ucx_runtime import (
@@ -61,6 +62,7 @@ class UCXSender:
 
     def __init__(self, ucx: UCXWorkerThread, layout: KVLayout, messages: MessagePool) -> None:
         self.layout = layout
+        self.links = LivenessLinks(new_sender_id())  # liveness.py
         self.closed = False
         self._ucx = ucx
         self._messages = messages
@@ -73,7 +75,8 @@ class UCXSender:
     # -- any thread ---------------------------------------------------------------------------
 
     def connect(self, peer_address: bytes) -> UCXPeer:
-        raw = unpack_address(peer_address, self.layout)
+        host, port, raw = unpack_endpoint(unpack_address(peer_address, self.layout))
+        self.links.link(host, port)  # once per receiver: how it learns that this sender died
         return call_or_closed(self._ucx, self._connect, peer_address, raw)
 
     def send_layer(

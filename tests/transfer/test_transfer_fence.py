@@ -160,7 +160,8 @@ class StoppableSender:
         return reply
 
     def close(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed by the test, and reaped
+            os.kill(self.proc.pid, signal.SIGCONT)
         peers.stop(self.proc)
 
 
@@ -251,6 +252,41 @@ def test_a_fence_held_past_its_timeout_is_given_up_and_a_late_write_is_counted()
         os.kill(sender.proc.pid, signal.SIGCONT)
         assert sender.reply()[0] == "posted" and sender.reply()[0] in ("sent", "failed")
         wait_for(lambda: receiver.counters().late_writes >= 1, what="the late write's count")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_sender_killed_half_way_frees_its_blocks_once_its_liveness_link_ends() -> None:
+    """A sender SIGKILLed in the middle of a message never ends it, and UCX never says so; but
+    the kernel closes its liveness connection (liveness.py). While it is only stopped the
+    connection stays open and the blocks stay fenced; once it is killed the transfer settles
+    within the grace, long before the fence timeout, with no late write, and the blocks can be
+    reserved again."""
+    receiver = UCXTransport(BIG)  # the default fence timeout: 120 s
+    sender = StoppableSender(receiver.address())
+    pools = Pools(BIG, BIG_POOL)
+    dst = torch.arange(8, 8 + BIG_BLOCKS)
+    try:
+        rt = stop_half_way(sender, receiver, pools, dst)
+        assert receiver.live_senders() == 1  # stopped, not dead: its link is open
+        assert receiver.counters().unsettled_blocks == BIG_BLOCKS
+        killed = time.monotonic()
+        os.kill(sender.proc.pid, signal.SIGKILL)
+        rt.settled.result(timeout=20.0)
+        assert time.monotonic() - killed < 10.0  # the grace, not the 120 s fence timeout
+        assert rt.expired and receiver.live_senders() == 0
+        counters = receiver.counters()
+        assert (counters.unsettled_blocks, counters.fences_expired, counters.late_writes) == (
+            0,
+            1,
+            0,
+        )
+        again = receiver.expect(rt.transfer_id + 100, PoolDestination(pools.k, pools.v, dst), 20.0)
+        again.cancel()  # the blocks could be handed to a new owner: the fence let them go
+        with pytest.raises(TransferError):
+            again.wait()
+        assert again.settled.done()
     finally:
         sender.close()
         receiver.close()
