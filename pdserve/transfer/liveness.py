@@ -14,7 +14,12 @@ connection of a sender id ends (``LivenessListener``), the receiver knows that s
 write again, and gives up the fences its failed transfers held (after ``GONE_GRACE_S``, for data
 that left the sender before it died and is still on its way).
 
-A receiver a sender cannot reach over TCP (a firewall) falls back to ``fence_timeout_s``.
+While a sender's connection is open the receiver holds its failed transfers' fences for as long
+as their receives are under way, with no timeout: a stopped sender keeps its blocks until it
+resumes (its write lands in blocks nobody else has) or dies. A connection that ends without word
+from the sender's kernel (keepalive timeout: power loss, a partition) is no proof, and neither is
+a sender the receiver never heard from (a firewall, or a framed transfer, which names no sender):
+those fall back to ``fence_timeout_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SENDER_OFFSET = HEADER_NBYTES - SENDER_ID_NBYTES  # in a plan's header: past eve
 NO_SENDER = bytes(SENDER_ID_NBYTES)
 GONE_GRACE_S = 1.0  # after a sender's connection ends, for its data still in flight
 CONNECT_TIMEOUT_S = 2.0
+KEEPALIVE = (10, 5, 3)  # idle s, interval s, probes: a silent sender host is given up in ~25 s
 RETRY_AFTER_S = 30.0  # a receiver whose liveness port refused: try again after this long
 _ENDPOINT = struct.Struct("<HH")  # port, length of the host name that follows
 
@@ -71,10 +77,11 @@ def unpack_endpoint(raw: bytes) -> tuple[str, int, bytes]:
 
 class LivenessListener:
     """The receiver's side: accepts senders' connections on ``host`` (an ephemeral port) and
-    calls ``on_gone(sender_id)`` from its own thread when the last connection of a sender id has
-    ended. ``port`` is where it listens."""
+    calls ``on_gone(sender_id, proven)`` from its own thread when the last connection of a sender
+    id has ended: ``proven`` when the sender's kernel closed or reset it (the process is gone),
+    not when keepalive gave up on it. ``port`` is where it listens."""
 
-    def __init__(self, host: str, on_gone: Callable[[bytes], None]) -> None:
+    def __init__(self, host: str, on_gone: Callable[[bytes, bool], None]) -> None:
         self._on_gone = on_gone
         self._sock = socket.create_server((host, 0), backlog=64)
         self._sock.setblocking(False)
@@ -93,6 +100,10 @@ class LivenessListener:
     def senders(self) -> int:
         """How many sender ids have a connection open."""
         return len(self._count)
+
+    def alive(self, sender_id: bytes) -> bool:
+        """Whether ``sender_id`` has a connection open (safe from any thread)."""
+        return sender_id in self._count
 
     def close(self) -> None:
         self._stopping = True
@@ -119,17 +130,28 @@ class LivenessListener:
         except OSError:
             return
         conn.setblocking(False)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+            for opt, value in zip(
+                (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT),
+                KEEPALIVE,
+                strict=True,
+            ):
+                conn.setsockopt(socket.IPPROTO_TCP, opt, value)
         self._ids[conn] = bytearray()
         self._selector.register(conn, selectors.EVENT_READ, None)
 
     def _read(self, conn: socket.socket) -> None:
         seen = self._ids[conn]
+        proven = True  # end of stream, or reset: the sender's kernel closed it
         try:
             data = conn.recv(SENDER_ID_NBYTES)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
+        except ConnectionResetError:
             data = b""
+        except OSError:  # keepalive timed out, host unreachable: no word from the sender
+            data, proven = b"", False
         if data and len(seen) < SENDER_ID_NBYTES:
             seen += data[: SENDER_ID_NBYTES - len(seen)]
             if len(seen) == SENDER_ID_NBYTES:
@@ -147,7 +169,7 @@ class LivenessListener:
         self._count[sid] -= 1
         if self._count[sid] == 0:
             del self._count[sid]
-            self._on_gone(sid)
+            self._on_gone(sid, proven)
 
 
 class LivenessLinks:

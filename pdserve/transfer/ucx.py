@@ -85,8 +85,9 @@ DEFAULT_UCX_OPTIONS = {"RNDV_SCHEME": "put_zcopy"}
 CPU_UCX_OPTIONS = {"RNDV_SCHEME": "am"}
 DEFAULT_MAX_SEGMENTS = 2  # direct up to this many segments, else gathered (docs/benchmarks.md)
 # How long a failed transfer's blocks stay held for a message that was half-way in when it failed
-# (fence.py): UCX cannot tell a dead sender (whose message never ends) from a stopped one. None:
-# for ever. Past it the blocks are freed and a write that still lands is counted (late_writes).
+# (fence.py), when its sender's liveness connection cannot say whether it is dead or stopped
+# (liveness.py). None: for ever. Past it the blocks are freed and a write that still lands is
+# counted (late_writes).
 DEFAULT_FENCE_TIMEOUT_S = 120.0
 
 
@@ -137,6 +138,7 @@ class UCXTransport(KVTransport):
         endpoint = pack_endpoint("", 0)
         if liveness_host is not None:
             self._liveness = LivenessListener(liveness_host, self._receiver.sender_gone)
+            self._receiver.sender_alive = self._liveness.alive
             advertised = liveness_advertise or liveness_host
             endpoint = pack_endpoint(advertised, self._liveness.port)
         self._address = pack_address(layout, endpoint + bytes(self._ucx.worker.address))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,9 @@ class UCXReceiver:
         self._recvs: dict[int, _Recv] = {}
         self._draining: dict[int, _Slot] = {}
         # Senders known to be gone (liveness.py), and the unsettled transfers of live ones
-        self._gone: dict[bytes, float] = {}  # sender id -> when its last connection ended
+        self._gone: dict[bytes, tuple[float, bool]] = {}  # sender id -> (when, proven)
         self._held: dict[bytes, list[RecvTransfer]] = {}
+        self.sender_alive: Callable[[bytes], bool] = lambda sender: False  # UCXTransport's
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._ucx)
@@ -219,32 +221,38 @@ class UCXReceiver:
 
     def _hold(self, transfer: RecvTransfer, sender: bytes | None) -> None:
         """``transfer`` failed with a receive into its blocks under way: they stay fenced until
-        that receive ends, its sender is gone (plus a grace) or ``fence_timeout_s`` passed."""
-        now = time.monotonic()
-        if self.fence_timeout_s is not None:
-            self._ucx.call_at(now + self.fence_timeout_s, self.fence.expire, transfer)
-        if sender is None:
-            return  # sent framed, or its plan not seen: only the timeout
-        if sender in self._gone:
-            self._ucx.call_at(now + GONE_GRACE_S, self.fence.expire, transfer)
-            return
-        held = self._held.setdefault(sender, [])
-        held[:] = [t for t in held if t.unsettled]
-        held.append(transfer)
+        that receive ends; or, from a sender with a liveness connection open, until that sender
+        is gone (plus a grace); or else until ``fence_timeout_s`` (liveness.py)."""
+        if sender is not None and sender in self._gone:
+            self._give_up(transfer, *self._gone[sender])
+        elif sender is not None and self.sender_alive(sender):
+            held = self._held.setdefault(sender, [])
+            held[:] = [t for t in held if t.unsettled]
+            held.append(transfer)  # no timeout: a stopped sender keeps its blocks
+        else:  # no word on its sender: a timeout is all there is
+            self._give_up(transfer, time.monotonic(), False)
 
-    def sender_gone(self, sender: bytes) -> None:
-        """From the liveness listener's thread: ``sender`` will never write again."""
+    def _give_up(self, transfer: RecvTransfer, since: float, proven: bool) -> None:
+        """Settle ``transfer`` a grace after its sender was proven gone, or ``fence_timeout_s``
+        after there was no more word from it (never, if None)."""
+        if proven:
+            self._ucx.call_at(since + GONE_GRACE_S, self.fence.expire, transfer)
+        elif self.fence_timeout_s is not None:
+            self._ucx.call_at(since + self.fence_timeout_s, self.fence.expire, transfer)
+
+    def sender_gone(self, sender: bytes, proven: bool) -> None:
+        """From the liveness listener's thread: ``sender``'s last connection ended."""
         with contextlib.suppress(TransferError):  # closed: nothing is held any more
-            call_soon_or_closed(self._ucx, self._sender_gone, sender)
+            call_soon_or_closed(self._ucx, self._sender_gone, sender, proven)
 
-    def _sender_gone(self, sender: bytes) -> None:
+    def _sender_gone(self, sender: bytes, proven: bool) -> None:
         now = time.monotonic()
         forget = now - max(self.fence_timeout_s or 0.0, 600.0)
-        self._gone = {s: t for s, t in self._gone.items() if t > forget}
-        self._gone[sender] = now
+        self._gone = {s: g for s, g in self._gone.items() if g[0] > forget}
+        self._gone[sender] = (now, proven)
         for transfer in self._held.pop(sender, []):
             if transfer.unsettled:
-                self._ucx.call_at(now + GONE_GRACE_S, self.fence.expire, transfer)
+                self._give_up(transfer, now, proven)
 
     def _start_drain(self, transfer: RecvTransfer) -> None:
         """Take and drop late messages of a failed transfer, so that their senders complete."""

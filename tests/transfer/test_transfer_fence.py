@@ -5,6 +5,7 @@ a sender process stopped by SIGSTOP in the middle of a message) and the loopback
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -236,11 +237,12 @@ def test_a_sender_stopped_half_way_keeps_the_blocks_fenced_until_its_write_ends(
 
 
 def test_a_fence_held_past_its_timeout_is_given_up_and_a_late_write_is_counted() -> None:
-    """A sender that never finishes its message (dead, or stopped for longer than
-    ``fence_timeout_s``) cannot hold the blocks for ever: past the timeout the transfer settles
-    (the blocks can be freed) and the expiry is counted; if the write does land after all, it is
-    counted too (``late_writes``, the alarm ``pdserve_kv_fence_late_writes_total``)."""
-    receiver = UCXTransport(BIG, fence_timeout_s=0.5)
+    """A sender the receiver has no liveness connection from (here: the receiver listens for
+    none) that never finishes its message cannot hold the blocks for ever: past
+    ``fence_timeout_s`` the transfer settles (the blocks can be freed) and the expiry is counted;
+    if the write does land after all, it is counted too (``late_writes``, the alarm
+    ``pdserve_kv_fence_late_writes_total``)."""
+    receiver = UCXTransport(BIG, fence_timeout_s=0.5, liveness_host=None)
     sender = StoppableSender(receiver.address())
     pools = Pools(BIG, BIG_POOL)
     dst = torch.arange(8, 8 + BIG_BLOCKS)
@@ -260,21 +262,23 @@ def test_a_fence_held_past_its_timeout_is_given_up_and_a_late_write_is_counted()
 def test_a_sender_killed_half_way_frees_its_blocks_once_its_liveness_link_ends() -> None:
     """A sender SIGKILLed in the middle of a message never ends it, and UCX never says so; but
     the kernel closes its liveness connection (liveness.py). While it is only stopped the
-    connection stays open and the blocks stay fenced; once it is killed the transfer settles
-    within the grace, long before the fence timeout, with no late write, and the blocks can be
-    reserved again."""
-    receiver = UCXTransport(BIG)  # the default fence timeout: 120 s
+    connection stays open and the blocks stay fenced, past the fence timeout too (its write may
+    still come); once it is killed the transfer settles within the grace, with no late write,
+    and the blocks can be reserved again."""
+    receiver = UCXTransport(BIG, fence_timeout_s=0.5)  # not for senders with a link open
     sender = StoppableSender(receiver.address())
     pools = Pools(BIG, BIG_POOL)
     dst = torch.arange(8, 8 + BIG_BLOCKS)
     try:
         rt = stop_half_way(sender, receiver, pools, dst)
         assert receiver.live_senders() == 1  # stopped, not dead: its link is open
+        with pytest.raises(concurrent.futures.TimeoutError):  # held past the fence timeout
+            rt.settled.result(timeout=1.5)
         assert receiver.counters().unsettled_blocks == BIG_BLOCKS
         killed = time.monotonic()
         os.kill(sender.proc.pid, signal.SIGKILL)
         rt.settled.result(timeout=20.0)
-        assert time.monotonic() - killed < 10.0  # the grace, not the 120 s fence timeout
+        assert time.monotonic() - killed < 10.0  # the grace (1 s)
         assert rt.expired and receiver.live_senders() == 0
         counters = receiver.counters()
         assert (counters.unsettled_blocks, counters.fences_expired, counters.late_writes) == (
