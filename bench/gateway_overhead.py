@@ -34,7 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pdserve.services.launcher import start_process, stop_processes  # noqa: E402
 
 from bench.common import ENV, cpu_seconds  # noqa: E402
+from bench.gateway_spans import Sent, complete, summarize  # noqa: E402
 from pdserve.bench_serve import RequestResult, percentiles  # noqa: E402
+from pdserve.otlp_sink import SpanSink  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
@@ -83,7 +85,9 @@ async def via_grpc(stub, ids: list[int], params, rid: str) -> RequestResult:
     return r
 
 
-async def via_http(client: httpx.AsyncClient, ids: list[int], output_len: int) -> RequestResult:
+async def via_http(
+    client: httpx.AsyncClient, ids: list[int], output_len: int, rid: str
+) -> RequestResult:
     body = {
         "prompt": ids,
         "max_tokens": output_len,
@@ -94,7 +98,10 @@ async def via_http(client: httpx.AsyncClient, ids: list[int], output_len: int) -
     r = RequestResult(prompt_words=len(ids))
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body, timeout=600) as resp:
+        headers = {"X-Request-Id": rid}
+        async with client.stream(
+            "POST", "/v1/completions", json=body, headers=headers, timeout=600
+        ) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             else:
@@ -107,10 +114,13 @@ async def via_http(client: httpx.AsyncClient, ids: list[int], output_len: int) -
     return r
 
 
-async def run_mixed(addrs: dict[str, str], args, prompts: list[list[int]]) -> dict[str, dict]:
+async def run_mixed(
+    addrs: dict[str, str], args, prompts: list[list[int]], sent: list[Sent] | None = None
+) -> dict[str, dict]:
     """Every user sends its requests in turn direct, over gRPC and over HTTP (users start at
     different modes), so the three modes share the worker's batches at every moment: what
-    differs between their latencies is the path, not the load."""
+    differs between their latencies is the path, not the load. Each request is appended to
+    ``sent`` (for the span analysis, gateway_spans.py)."""
     params = sampling_to_proto(
         SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     )
@@ -129,11 +139,16 @@ async def run_mixed(addrs: dict[str, str], args, prompts: list[list[int]]) -> di
 
         async def one(mode: str, ids: list[int]) -> RequestResult:
             rid = f"{mode}-{secrets.token_hex(6)}"
+            start_ns = time.time_ns()
             if mode == "direct":
-                return await direct(worker, ids, params, rid)
-            if mode == "grpc":
-                return await via_grpc(gateway, ids, params, rid)
-            return await via_http(client, ids, args.output_len)
+                r = await direct(worker, ids, params, rid)
+            elif mode == "grpc":
+                r = await via_grpc(gateway, ids, params, rid)
+            else:
+                r = await via_http(client, ids, args.output_len, rid)
+            if sent is not None and not r.error:
+                sent.append(Sent(mode, rid, start_ns, r.latency, r.ttft))
+            return r
 
         async def user(uid: int) -> None:
             n = uid
@@ -173,10 +188,20 @@ def main() -> None:
         help="the core this load generator runs on: 0 (beside the gateway) or 1 (beside the "
         "worker, leaving core 0 to the gateway alone)",
     )
+    p.add_argument(
+        "--spans",
+        action="store_true",
+        help="trace every request and pair it with its worker's spans: what the gateway adds, "
+        "request by request (gateway_spans.py)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
     procs = []
+    sink = SpanSink() if args.spans else None
+    sent: list[Sent] | None = [] if args.spans else None
+    if sink is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
     try:
         os.sched_setaffinity(0, {0})  # the gateway (inherits it) and this client share core 0
         gw = start_process(
@@ -202,7 +227,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.rounds):
             cpu = cpu_seconds([gw.proc])
-            got = asyncio.run(run_mixed(addrs, args, prompts))
+            got = asyncio.run(run_mixed(addrs, args, prompts, sent))
             gw_requests = got["grpc"]["requests"] + got["http"]["requests"]
             gw_cpu = (cpu_seconds([gw.proc]) - cpu) / max(gw_requests, 1) * 1e3
             for mode, s in got.items():
@@ -215,8 +240,12 @@ def main() -> None:
                     flush=True,
                 )
             print(f"round {r} gateway CPU {gw_cpu:.2f} ms per gateway request", flush=True)
+        if sink is not None:  # spans are exported in batches: wait for the last ones
+            sink.wait_for(lambda spans: complete(sent, spans), timeout=60)
     finally:
         stop_processes(procs)
+        if sink is not None:
+            sink.stop()
 
     def med(mode: str, metric: str, q: str) -> float:
         return statistics.median(s[metric][q] for s in runs[mode]) * 1e3
@@ -241,9 +270,30 @@ def main() -> None:
             f"p99 {s['ttft_s_p99_ms']:.1f} (+{s['ttft_s_p99_ms'] - d['ttft_s_p99_ms']:.1f}); "
             f"gateway CPU {s['gateway_cpu_ms_per_request']:.2f} ms/request"
         )
+    paired = summarize(sent, sink.spans(), MODES) if sink is not None else {}
+    if paired:
+        print("\nper request, paired with its worker's spans (ms, all rounds)")
+        for mode, s in paired.items():
+            print(
+                f"{mode:6s} "
+                + "; ".join(
+                    f"{m} p50 {s[m]['p50']:.2f} p99 {s[m]['p99']:.2f}"
+                    for m in ("path", "path_ttft", "inside")
+                    if m in s
+                )
+                + f" ({s['requests']} requests)"
+            )
+            if "added" in s:
+                a = s["added"]
+                print(
+                    f"       added by the gateway: latency p50 {a['path']['p50']:+.2f} p99 "
+                    f"{a['path']['p99']:+.2f}, TTFT p50 {a['path_ttft']['p50']:+.2f} p99 "
+                    f"{a['path_ttft']['p99']:+.2f}"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "summary": summary, "runs": runs}, f, indent=2)
+            out = {"config": vars(args), "summary": summary, "runs": runs, "paired": paired}
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":
