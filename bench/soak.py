@@ -36,7 +36,13 @@ from pdserve.bench_serve import WORDS, percentiles  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
-from tests.helpers import assert_no_leaks, process_alive, scrape_metrics, worker_stats  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_no_leaks,
+    process_alive,
+    scrape_metrics,
+    wait_until,
+    worker_stats,
+)
 
 # what the gateway does about a fault, by metric (counters; any of them moving counts)
 ACTIONS = ("pdserve_resumes_total", "pdserve_retries_total", "pdserve_evictions_total")
@@ -94,6 +100,16 @@ def start_up(args) -> Up:
         proc.kill()
         raise RuntimeError(f"pdserve up did not come up; see {args.log}")
     return up
+
+
+def all_answer(up: Up) -> bool:
+    """Whether every worker of ``up`` (at its latest address) answers its Stats RPC."""
+    try:
+        for name, (_, address) in sorted(up.workers.items()):
+            worker_stats(address, name.split("-")[0], timeout=2.0)
+    except grpc.RpcError:
+        return False
+    return True
 
 
 def actions(up: Up) -> float:
@@ -199,6 +215,8 @@ def main() -> None:
             injector.join()
         wall = time.monotonic() - start
         after = scrape_metrics(up.metrics)
+        # a worker killed by the last faults may still be restarting: wait for all of them
+        wait_until(lambda: all_answer(up), 120, "every worker to answer after the last fault")
         # blocks of cancelled requests are freed as their transfers settle: give them 30 s
         workers = {n: (a, n.split("-")[0]) for n, (_, a) in sorted(up.workers.items())}
         try:
