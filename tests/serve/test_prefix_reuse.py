@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import openai
+import pytest
 
 from pdserve import Client, SamplingParams
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import assert_no_leaks
 
 BLOCK = 16  # the cluster's block size
@@ -112,4 +115,31 @@ def test_a_worker_that_prefills_locally_reports_its_own_cache_hits(cluster):
     assert [r.HasField("usage") for r in responses] == [False] * (len(responses) - 1) + [True]
     assert responses[-1].usage.prompt_tokens == len(SECOND)
     assert responses[-1].usage.cached_prompt_tokens == 5 * BLOCK
+    assert_no_leaks(c.live())
+
+
+def test_a_prefill_told_to_skip_too_many_blocks_is_refused_clearly(cluster):
+    c = cluster(prefill=1, decode=1)
+    d_addr, p_addr = c.workers["decode-0"].address, c.workers["prefill-0"].address
+    sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0)
+    with grpc.insecure_channel(d_addr) as dch, grpc.insecure_channel(p_addr) as pch:
+        call = worker_pb2_grpc.DecodeStub(dch).Generate(
+            worker_pb2.DecodeRequest(request_id="a", prompt_token_ids=FIRST, sampling=sampling),
+            timeout=30,
+        )
+        dest = next(call).admitted.destination
+        dest.num_cached_blocks = 6  # FIRST fills 6 blocks: the last one is always sent
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.PrefillStub(pch).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="a", prompt_token_ids=FIRST, sampling=sampling, destination=dest
+                ),
+                timeout=30,
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == (
+            "destination holds 6 of the prompt's 6 blocks already; it may hold 0 to 5 "
+            "(the block with the last prompt token is always sent)"
+        )
+        call.cancel()
     assert_no_leaks(c.live())
