@@ -5,11 +5,10 @@ its greedy tokens are the offline engine's."""
 from __future__ import annotations
 
 import pytest
-from pdserve.services.launcher import stop_processes
 
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
-from tests.e2e.cluster import start_cluster
+from tests.e2e.cluster import running_cluster
 from tests.helpers import assert_no_leaks, metric_value
 
 BLOCK = 16
@@ -26,13 +25,8 @@ QUESTIONS = ["What does the river carry?", "When does the ferry stop?"]
 
 @pytest.fixture(scope="module")
 def pair():
-    c = start_cluster()
-    try:
-        c.start_worker("prefill", "prefill")
-        c.start_worker("decode", "decode")
+    with running_cluster({"prefill": "prefill", "decode": "decode"}) as c:
         yield c
-    finally:
-        stop_processes(c.procs)
 
 
 def test_a_shared_prefix_is_sent_once_over_ucx_and_tokens_equal_the_offline_engine(pair):
