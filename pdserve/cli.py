@@ -54,6 +54,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)",
     )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        default=CacheConfig.enable_prefix_caching,
+        help="never reuse the KV of cached prompt prefixes: a prefill or colocated worker "
+        "computes them again, a decode worker has them all sent again",
+    )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
@@ -70,7 +78,11 @@ def _llm_from(args):
         quantization=args.quantization,
         device=args.device,
         threads=args.threads,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=args.prefix_caching,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),

@@ -124,19 +124,29 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         sender: KVSender,
+        skip_blocks: int = 0,
     ) -> OutgoingKV:
         """Prefill side: compute the prompt and sample its first token; each layer's KV leaves
         through ``sender`` as soon as the forward has written it, the token after sampling. The
-        returned record tells the caller, once the request's output arrived, how it went."""
+        returned record tells the caller, once the request's output arrived, how it went.
+
+        ``skip_blocks``: the prompt's leading blocks the destination already holds (its prefix
+        cache); the whole prompt is still computed here, only the blocks after them are sent."""
         self.validate(prompt_token_ids, params)  # the whole request must fit where it decodes
         needed = blocks_needed(len(prompt_token_ids), self.scheduler.block_size)
-        if sender.num_blocks != needed:
+        if not 0 <= skip_blocks < needed:
+            raise ValueError(
+                f"destination holds {skip_blocks} of the prompt's {needed} blocks already; it "
+                f"may hold 0 to {needed - 1} (the block with the last prompt token is always sent)"
+            )
+        if sender.num_blocks != needed - skip_blocks:
             raise ValueError(
                 f"destination has {sender.num_blocks} blocks; the prompt fills {needed}"
+                + (f", {skip_blocks} of them held there already" if skip_blocks else "")
             )
         one = dataclasses.replace(params, max_tokens=1, stop=())
         self.add_request(prompt_token_ids, one, request_id)
-        return self.kv_out.add(request_id, sender)
+        return self.kv_out.add(request_id, sender, skip_blocks)
 
     def release_held(self, request_id: str) -> None:
         """The transfer that read a finished request's blocks is over: free them (idempotent)."""
@@ -147,7 +157,8 @@ class LLMEngine:
     def reserve_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> KVLanding:
-        """Decode side: reserve KV for the whole request; returns where the prompt's KV lands.
+        """Decode side: reserve KV for the whole request; returns where the prompt's KV lands
+        (the prompt's blocks after the leading ones this engine's prefix cache already holds).
 
         Raises AdmissionError at once when the blocks or a batch seat are not free.
         """
@@ -162,25 +173,37 @@ class LLMEngine:
             )
         self._seqs[request_id] = seq
         self._texts[request_id] = TextStream(self.tokenizer, seq.prompt_token_ids, params.stop)
-        num_prompt_blocks = blocks_needed(seq.num_prompt_tokens, self.scheduler.block_size)
+        landing = self._landing_blocks(seq)
         pools = self.runner.pool.kv_caches
         return KVLanding(
             request_id,
-            tuple(seq.block_table[:num_prompt_blocks]),
+            landing,
             tuple(k for k, _ in pools),
             tuple(v for _, v in pools),
-            self.allocator.generation_of(seq.block_table[0]),
+            self.allocator.generation_of(landing[0]),
+            num_cached_blocks=seq.num_cached_tokens // self.scheduler.block_size,
         )
 
+    def _landing_blocks(self, seq: Sequence) -> tuple[int, ...]:
+        """A reserved request's blocks that its prompt's KV lands in: the prompt's blocks after
+        those shared from the prefix cache (at least one: the cache leaves the last token out).
+
+            block_table  | cached (shared) | landing (fresh)      | rest of max_tokens |
+                         0                 num_cached_blocks      prompt blocks
+        """
+        first = seq.num_cached_tokens // self.scheduler.block_size
+        end = blocks_needed(seq.num_prompt_tokens, self.scheduler.block_size)
+        return tuple(seq.block_table[first:end])
+
     def hold_landing(self, request_id: str) -> None:
-        """Decode side, before ``abort_request``: keep the reservation's prompt blocks allocated
+        """Decode side, before ``abort_request``: keep the reservation's landing blocks allocated
         (as ``HeldBlocks``) because a write of its failed transfer may still land in them; freed
-        by ``release_held`` once the transfer has settled."""
+        by ``release_held`` once the transfer has settled. Shared prefix blocks are never
+        written by a transfer, so they are freed with the request."""
         seq = self._seqs.get(request_id)
         if seq is None or request_id in self._held:
             return
-        n = blocks_needed(seq.num_prompt_tokens, self.scheduler.block_size)
-        held = HeldBlocks(request_id, tuple(seq.block_table[:n]))
+        held = HeldBlocks(request_id, self._landing_blocks(seq))
         self.allocator.retain(held.block_ids)
         self._held[request_id] = held
 

@@ -3,9 +3,11 @@
 The engine owns its blocks; the services own the transport. Between them, per role:
 
     prefill engine (PrefillConnector)              decode engine
-    add_prefill(ids, params, rid, sender)          reserve_request(ids, params, rid) -> KVLanding
-      -> OutgoingKV (the service reads it after      (the service has the transport land the
-         the request's output arrived)               prompt's KV in landing's blocks)
+    add_prefill(ids, params, rid, sender,          reserve_request(ids, params, rid) -> KVLanding
+                skip_blocks=landing's                (shares the prompt's leading blocks found
+                num_cached_blocks)                   in its prefix cache, num_cached_blocks;
+      -> OutgoingKV (the service reads it after      the service has the transport land the
+         the request's output arrived)               rest of the prompt's KV in block_ids)
     step():                                        activate_request(rid, first token)
       after layer i of the forward that completes  abort_request(rid): frees the reservation
       a prompt     -> on_layer: sender.send_pool_layer(i, pools, blocks)
@@ -71,6 +73,9 @@ class KVLanding:
     k_pools: tuple[torch.Tensor, ...]
     v_pools: tuple[torch.Tensor, ...]
     generation: int = 0  # the allocator's, of these blocks: never reused (allocator.py)
+    # the prompt's leading blocks shared from the engine's prefix cache, before ``block_ids``:
+    # their KV is there already, so the sender skips them (and nothing writes them)
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class OutgoingKV:
     first_send: float = 0.0  # when layer 0 left
     compute_end: float = 0.0  # when sampling ended (the first token left with finish)
     error: BaseException | None = None  # the sender's, reported to the waiting request
-    _block_ids: torch.Tensor | None = None  # the prompt's blocks in the pools, int64
+    skip_blocks: int = 0  # the prompt's leading blocks its destination holds already: not sent
+    _block_ids: torch.Tensor | None = None  # the prompt's blocks sent, in the pools, int64
 
     def overlap_fraction(self, seconds: float) -> float:
         """Share of a transfer of ``seconds`` during which the model was still computing."""
@@ -116,8 +122,9 @@ class PrefillConnector:
     def __bool__(self) -> bool:
         return bool(self._out)
 
-    def add(self, request_id: str, sender: KVSender) -> OutgoingKV:
-        out = self._out[request_id] = OutgoingKV(request_id, sender, time.perf_counter())
+    def add(self, request_id: str, sender: KVSender, skip_blocks: int = 0) -> OutgoingKV:
+        out = OutgoingKV(request_id, sender, time.perf_counter(), skip_blocks=skip_blocks)
+        self._out[request_id] = out
         return out
 
     def on_layer(
@@ -134,7 +141,7 @@ class PrefillConnector:
             if out.error is not None or seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 continue
             if out._block_ids is None:  # the same blocks for every layer
-                ids = seq.block_table[: out.sender.num_blocks]
+                ids = _sent_blocks(seq, out)
                 out._block_ids = torch.tensor(ids, dtype=torch.long, device=k_pool.device)
             try:
                 out.sender.send_pool_layer(layer, k_pool, v_pool, out._block_ids)
@@ -163,4 +170,9 @@ class PrefillConnector:
         out = self._out.pop(seq.request_id, None)
         if out is None or not out.sender.direct:  # decided at its first send_pool_layer
             return None
-        return HeldBlocks(seq.request_id, tuple(seq.block_table[: out.sender.num_blocks]))
+        return HeldBlocks(seq.request_id, tuple(_sent_blocks(seq, out)))
+
+
+def _sent_blocks(seq: Seq, out: OutgoingKV) -> list[int]:
+    """The prompt's blocks that ``out`` sends: those after the ones its destination holds."""
+    return seq.block_table[out.skip_blocks : out.skip_blocks + out.sender.num_blocks]

@@ -217,6 +217,12 @@ class WorkerMetrics(_Metrics):
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed", ["direction"], registry=r
         )
+        self.prefix_reused_tokens = Counter(
+            "pdserve_kv_prefix_reused_tokens",
+            "Prompt tokens a decode worker's admissions found in its prefix cache (whole blocks), "
+            "whose KV was therefore not transferred",
+            registry=r,
+        )
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["state"], registry=r)
         self.kv_utilization = Gauge(
             "pdserve_kv_cache_utilization",

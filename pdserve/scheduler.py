@@ -70,24 +70,29 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Decode worker admission: blocks for the whole request, or False at once (nothing queued).
 
-        The sequence then waits, outside the batch, for its prompt KV to arrive (``activate``).
+        With prefix caching, the prompt's leading full blocks that this worker already holds
+        (``seq.num_cached_tokens``) are shared, not allocated: only the rest of the prompt's KV
+        has to arrive. The sequence then waits, outside the batch, for it (``activate``).
         """
         if self.num_seats_taken >= self.config.max_num_seqs or self.waiting:
             return False
-        needed = blocks_needed(seq.max_kv_tokens, self.block_size)
-        if not self.allocator.can_allocate(needed):
+        if self.enable_prefix_caching:
+            seq.block_hashes = prefix_block_hashes(seq.prompt_token_ids, self.block_size)
+        if not self._allocate(seq):
             return False
-        seq.block_table = self.allocator.allocate(needed)
         seq.status = SequenceStatus.AWAITING_KV
         self.awaiting_kv.append(seq)
         return True
 
     def activate(self, seq: Sequence) -> None:
-        """The prompt's KV has landed: the sequence joins the running batch, decoding."""
+        """The prompt's KV has landed: the sequence joins the running batch, decoding. Its full
+        prompt blocks become findable by later reservations (they are never written again)."""
         self.awaiting_kv.remove(seq)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        for block, block_hash in zip(seq.block_table, seq.block_hashes, strict=False):
+            self.allocator.register_hash(block, block_hash)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -141,7 +146,8 @@ class Scheduler:
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for the request's whole lifetime, reusing cached full prompt blocks (all or nothing)."""
         reused: list[int] = []
-        # Leave at least one prompt token to compute: its logits give the first output token.
+        # Leave at least one prompt token to compute: its logits give the first output token (on
+        # a decode worker: one block to receive, whose transfer carries the first token).
         max_reuse = (seq.num_prompt_tokens - 1) // self.block_size
         for block_hash in seq.block_hashes[:max_reuse]:
             block = self.allocator.take_cached(block_hash)

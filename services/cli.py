@@ -27,7 +27,11 @@ def engine_config(args) -> EngineConfig:
         quantization=args.quantization,
         device=args.device,
         threads=args.threads,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=args.prefix_caching,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),

@@ -116,6 +116,8 @@ def cmd_up(args) -> int:
     ]
     if args.kv_cache_bytes:
         common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if not args.prefix_caching:
+        common.append("--no-prefix-caching")
     env = {envs.CLUSTER_TOKEN_ENV: envs.cluster_token() or secrets.token_urlsafe(32)}
 
     def start(argv: list[str]) -> tuple[subprocess.Popen, str]:

@@ -22,18 +22,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_ms: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("transfer_id", "kv_address", "block_ids", "deadline_unix_ms", "compat_hash")
+    __slots__ = ("transfer_id", "kv_address", "block_ids", "deadline_unix_ms", "compat_hash", "num_cached_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     kv_address: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_unix_ms: int
     compat_hash: str
-    def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_unix_ms: _Optional[int] = ..., compat_hash: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Admitted(_message.Message):
     __slots__ = ("destination",)
@@ -42,14 +44,16 @@ class Admitted(_message.Message):
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("admitted", "tokens")

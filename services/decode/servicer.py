@@ -15,11 +15,14 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.v1.convert import logprobs_to_proto, sampling_from_proto
 
 
-def token_chunk(out) -> worker_pb2.DecodeResponse:
+def token_chunk(out, cached_prompt_tokens: int = 0) -> worker_pb2.DecodeResponse:
     logprobs = [lp for lp in map(logprobs_to_proto, out.new_logprobs) if lp is not None]
     return worker_pb2.DecodeResponse(
         tokens=worker_pb2.TokenChunk(
-            token_ids=out.new_token_ids, logprobs=logprobs, finish_reason=out.finish_reason or ""
+            token_ids=out.new_token_ids,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason or "",
+            cached_prompt_tokens=cached_prompt_tokens,
         )
     )
 
@@ -40,7 +43,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         parent = telemetry.from_metadata(context.invocation_metadata())
         if request.prefill_locally:
             async for out in self.worker.generate_local(request.request_id, ids, params, parent):
-                yield token_chunk(out)
+                yield token_chunk(out, out.num_cached_tokens)  # computed here: its cache's
             return
         # kv_timeout_ms unset (a caller other than the gateway): the gateway's default
         timeout = (
@@ -57,6 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                         block_ids=adm.block_ids,
                         deadline_unix_ms=adm.deadline_unix_ms,
                         compat_hash=transport.layout.compat_hash,
+                        num_cached_blocks=adm.num_cached_blocks,
                     )
                 )
             )

@@ -57,6 +57,7 @@ class Admission:
     parent: telemetry.Context | None = None  # the gateway's request span
     admitted_ns: int = 0
     num_prompt_tokens: int = 0
+    num_cached_blocks: int = 0  # prompt blocks shared from the prefix cache: not transferred
     done: bool = False  # finished, or released
 
 
@@ -156,7 +157,13 @@ class DecodeWorker:
             self.metrics.request_ended("error")
             telemetry.end_span(span, e)
             raise
-        span.set_attributes({"blocks_reserved": len(adm.block_ids), "transfer_id": adm.transfer_id})
+        span.set_attributes(
+            {
+                "blocks_reserved": len(adm.block_ids),
+                "cached_blocks": adm.num_cached_blocks,
+                "transfer_id": adm.transfer_id,
+            }
+        )
         telemetry.end_span(span)
         return adm
 
@@ -180,6 +187,8 @@ class DecodeWorker:
             await self.loop.cleanup(lambda e: e.abort_request(request_id))
             raise
         deadline_ms = int((time.time() + kv_timeout_s) * 1000)
+        block_size = self.engine.scheduler.block_size
+        self.metrics.prefix_reused_tokens.inc(landing.num_cached_blocks * block_size)
         return Admission(
             request_id,
             transfer_id,
@@ -189,6 +198,7 @@ class DecodeWorker:
             parent=parent,
             admitted_ns=time.time_ns(),
             num_prompt_tokens=len(prompt_ids),
+            num_cached_blocks=landing.num_cached_blocks,
         )
 
     async def stream(self, adm: Admission) -> AsyncIterator[RequestOutput]:

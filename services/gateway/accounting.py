@@ -43,6 +43,8 @@ class GatewayRequest:
         self.last = 0.0
         self.num_tokens = 0
         self.num_prompt_tokens = 0
+        # of the prompt, taken from a prefix cache by the worker that computed it (Usage)
+        self.num_cached_prompt_tokens = 0
         self.finish_reason = ""
         self.text: list[str] = []  # kept only when prompts and outputs may be logged
         self._closed = False

@@ -61,6 +61,8 @@ class GatewayError(StatusError):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # prompt tokens the worker that computed the prompt took from its prefix cache (whole blocks)
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -189,7 +191,7 @@ class Gateway:
                     num_tokens += len(delta.token_ids)
                     req.tokens(len(delta.token_ids), delta.text, delta.finish_reason)
                     if delta.finish_reason:
-                        delta.usage = Usage(len(ids), num_tokens)
+                        delta.usage = Usage(len(ids), num_tokens, req.num_cached_prompt_tokens)
                     yield delta
                     if delta.finish_reason:
                         return
@@ -244,7 +246,9 @@ class Gateway:
                 continue
             sent_before = len(sent)
             try:
-                async for token_ids, logprobs, finish in stream:
+                async for token_ids, logprobs, finish, num_cached in stream:
+                    if not sent:  # a resumed try's prompt is longer: its count is not ours
+                        req.num_cached_prompt_tokens = num_cached
                     delta = Delta(logprobs=logprobs)
                     for t in token_ids:
                         delta.token_ids.append(t)
@@ -344,12 +348,7 @@ class Gateway:
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
-                c = msg.tokens
-                yield (
-                    list(c.token_ids),
-                    [logprobs_from_proto(p) for p in c.logprobs],
-                    c.finish_reason,
-                )
+                yield _chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
             worker.outstanding_tokens -= cost
             if prefilling:
@@ -408,14 +407,9 @@ class Gateway:
                 prefill.outstanding_tokens -= len(ids)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
-            yield [resp.first_token.token_id], lp, ""
+            yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
             async for msg in reader:
-                c = msg.tokens
-                yield (
-                    list(c.token_ids),
-                    [logprobs_from_proto(p) for p in c.logprobs],
-                    c.finish_reason,
-                )
+                yield _chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
             decode.outstanding_tokens -= cost
             decode.calls.discard(call)
@@ -423,6 +417,17 @@ class Gateway:
                 prefill.outstanding_tokens -= len(ids)
             call.cancel()
             await self._released()
+
+
+def _chunk(c: worker_pb2.TokenChunk, num_cached: int):
+    """What a worker stream yields: token ids, their logprobs, the finish reason, and the prompt
+    tokens the worker that computed the prompt took from its prefix cache."""
+    return (
+        list(c.token_ids),
+        [logprobs_from_proto(p) for p in c.logprobs],
+        c.finish_reason,
+        num_cached,
+    )
 
 
 class _WorkerFailed(Exception):

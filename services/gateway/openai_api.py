@@ -252,13 +252,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(d: Delta) -> dict[str, int]:
+def usage(d: Delta) -> dict[str, Any]:
     u = d.usage
     assert u is not None
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        # OpenAI's field for prompt tokens served from a prompt cache (Usage.cached_prompt_tokens)
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
     }
 
 

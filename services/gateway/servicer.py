@@ -42,7 +42,9 @@ def response_from_delta(request_id: str, d: Delta) -> generation_pb2.GenerateRes
     if d.usage is not None:
         resp.usage.CopyFrom(
             generation_pb2.Usage(
-                prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens
+                prompt_tokens=d.usage.prompt_tokens,
+                completion_tokens=d.usage.completion_tokens,
+                cached_prompt_tokens=d.usage.cached_prompt_tokens,
             )
         )
     return resp

@@ -30,8 +30,9 @@ from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStat
 class Destination:
     kv_address: bytes
     transfer_id: int
-    block_ids: list[int]
+    block_ids: list[int]  # the decode worker's, for the prompt's blocks after skip_blocks
     timeout_s: float
+    skip_blocks: int = 0  # the prompt's leading blocks the decode worker holds already
 
 
 class PrefillWorker:
@@ -95,6 +96,7 @@ class PrefillWorker:
             "prefill.done",
             prompt_tokens=len(prompt_ids),
             cached_prompt_tokens=out.num_cached_tokens,
+            kv_skipped_blocks=dest.skip_blocks,
             kv_bytes=stats.nbytes,
             kv_gbps=round(stats.gbps, 3),
             kv_overlap=round(overlap, 3),
@@ -124,7 +126,9 @@ class PrefillWorker:
         q = self.loop.open_stream(request_id)
         done = False
         try:
-            send = await self.loop.call(lambda e: e.add_prefill(prompt_ids, params, request_id, tx))
+            send = await self.loop.call(
+                lambda e: e.add_prefill(prompt_ids, params, request_id, tx, dest.skip_blocks)
+            )
             out = await q.get()
             done = True
             span.set_attributes(
@@ -133,6 +137,7 @@ class PrefillWorker:
                     "batch_size": send.batch_size,
                     "forward_s": send.compute_end - send.scheduled,
                     "cached_prompt_tokens": out.num_cached_tokens,
+                    "kv_skipped_blocks": dest.skip_blocks,
                 }
             )
             self.metrics.queue_seconds.observe(send.scheduled - send.submitted)

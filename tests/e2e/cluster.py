@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdserve.services.launcher import start_process
+from pdserve.services.launcher import start_process, stop_processes
 
 from pdserve.v1 import worker_pb2
 from tests.helpers import worker_stats
@@ -64,3 +66,15 @@ def start_cluster(*gateway_args: str, env: dict[str, str] | None = None, stderr=
     c.procs.append(proc)
     c.metrics["gateway"] = metrics
     return c
+
+
+@contextmanager
+def running_cluster(workers: dict[str, str]) -> Iterator[Cluster]:
+    """A gateway and ``workers`` (name -> role), every process stopped when the block ends."""
+    c = start_cluster()
+    try:
+        for name, role in workers.items():
+            c.start_worker(name, role)
+        yield c
+    finally:
+        stop_processes(c.procs)

@@ -1,19 +1,12 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.services.launcher import stop_processes
 
-from tests.e2e.cluster import start_cluster
+from tests.e2e.cluster import running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """gateway + 2 prefill + 1 decode, shared by the tests of a module that leave it intact."""
-    c = start_cluster()
-    try:
-        c.start_worker("prefill-a", "prefill")
-        c.start_worker("prefill-b", "prefill")
-        c.start_worker("decode", "decode")
+    with running_cluster({"prefill-a": "prefill", "prefill-b": "prefill", "decode": "decode"}) as c:
         yield c
-    finally:
-        stop_processes(c.procs)

@@ -195,6 +195,7 @@ class Cluster:
         max_num_seqs: int = 64,
         block_size: int = 16,
         gateway: str | None = None,
+        prefix_caching: bool = True,
         **options: Any,
     ) -> WorkerOptions:
         """A worker of the tiny model registering with ``gateway`` (default: this cluster's
@@ -203,7 +204,7 @@ class Cluster:
             model=str(self.model),
             dtype="float32",
             threads=1,
-            cache=CacheConfig(block_size=block_size, kv_cache_bytes=KV_CACHE_BYTES),
+            cache=CacheConfig(block_size, KV_CACHE_BYTES, enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         )
         return WorkerOptions(

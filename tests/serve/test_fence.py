@@ -40,8 +40,9 @@ def _tokens(call) -> list[int]:  # noqa: ANN001
 
 
 def test_a_late_prefill_into_a_reused_reservation_is_dropped_and_counted(cluster) -> None:
-    c = cluster(prefill=1, decode=1)
-    decode = c.workers["decode-0"]
+    c = cluster(prefill=1, decode=0)
+    # no prefix reuse: B's second reservation would share the blocks of its reference run
+    decode = c.start_worker("decode-0", "decode", prefix_caching=False)
     d_addr, p_addr = decode.address, c.workers["prefill-0"].address
 
     def stale() -> float:

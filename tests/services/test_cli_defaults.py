@@ -93,3 +93,9 @@ def test_every_gateway_config_field_has_an_option():
     }
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))
+
+
+@pytest.mark.parametrize("command", [*ROLES, "up"])
+def test_no_prefix_caching_reaches_the_cache_config(command):
+    args = build_parser().parse_args([command, "--no-prefix-caching"])
+    assert serve_cli.engine_config(args).cache == CacheConfig(enable_prefix_caching=False)
