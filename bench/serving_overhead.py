@@ -1,0 +1,85 @@
+"""What serving adds to a token at one user (W-c1): the TPOT of one colocated worker behind the
+gateway against the offline batch-1 decode step of the same engine, side by side in one run.
+
+For each variant (an environment for the worker and the offline run, e.g. OpenMP's wait policy)
+and each round: ``pdserve bench offline --batch-sizes 1`` in its own process, then a gateway and
+one colocated worker (same dtype, quantization and threads) under W-c1 (8 requests, 1 user,
+prompts of 256-768 words, 128 output tokens, greedy, ignore_eos). Reported: the offline step,
+the served TPOT p50, their ratio (issue 14's target: within 1.10), and the worker's and gateway's
+CPU per output token.
+
+    .venv/bin/python bench/serving_overhead.py --threads 2 --rounds 2 --variants default,passive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import run_cluster  # noqa: E402
+
+VARIANTS = {
+    "default": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle OpenMP threads sleep instead of spinning
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+
+
+def offline_step_ms(engine_args: list[str], env: dict[str, str]) -> float:
+    """The median batch-1 decode step of ``pdserve bench offline``, in its own process."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "offline", *engine_args]
+        cmd += ["--batch-sizes", "1", "--prompt-len", "512", "--output-len", "128"]
+        subprocess.run([*cmd, "--json", out.name], check=True, env={**os.environ, **env})
+        with open(out.name) as f:
+            return json.load(f)["decode"][0]["step_ms_median"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default="default,passive", help=", ".join(VARIANTS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    engine = ["--threads", str(args.threads), "--dtype", args.dtype]
+    engine += ["--quantization", args.quantization]
+    load = argparse.Namespace(
+        requests=8, users=1, rate=None, prompt_words="256-768", output_len=128, seed=0
+    )
+    rows: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    for r in range(args.rounds):
+        for variant, runs in rows.items():
+            env = VARIANTS[variant]
+            step = offline_step_ms(engine, env)
+            s = run_cluster([["colocated", *engine]], load, env=env)
+            tpot = s["tpot_s"]["p50"] * 1e3
+            tokens = s["output_tokens_per_s"] * s["wall_s"]
+            cpu_ms = s["cluster_cpu_s"] / max(tokens, 1) * 1e3
+            runs.append({"offline_step_ms": step, "tpot_p50_ms": tpot, "cpu_ms_per_token": cpu_ms})
+            print(
+                f"round {r} {variant:8s}: offline step {step:.1f} ms, served TPOT p50 {tpot:.1f} ms "
+                f"({tpot / step:.2f}x), cluster CPU {cpu_ms:.1f} ms per output token",
+                flush=True,
+            )
+    print("\nmedians over rounds")
+    for variant, runs in rows.items():
+        step = statistics.median(x["offline_step_ms"] for x in runs)
+        tpot = statistics.median(x["tpot_p50_ms"] for x in runs)
+        print(f"{variant:8s}: offline {step:.1f} ms, served {tpot:.1f} ms, {tpot / step:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "runs": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
