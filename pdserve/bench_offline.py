@@ -5,6 +5,10 @@ each (end-of-sequence ignored); only steps in which all B sequences decode (no p
 count, so the number is pure decode at batch B over contexts of prompt_len..prompt_len+output_len
 tokens. The steps with fewer sequences, while prompts are still being prefilled or requests
 finish one by one, are reported apart ("all decode steps").
+
+Each batch's roofline fraction (pdserve/roofline.py, measured first with the benchmark's threads):
+the median over those steps of roofline time / step time, with the bytes a step reads (weights
++ KV at the median step's context) and the memory bandwidth it is measured against.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 
 import torch
 
+from pdserve import roofline
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
@@ -39,7 +44,13 @@ def time_prefill(llm: LLM, prompt_len: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
+def time_decode(
+    llm: LLM,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    rl: roofline.Roofline | None = None,
+) -> dict:
     """Decode throughput of ``batch`` requests. Prompts are prefilled a token budget at a time, so
     the first requests start (and finish) decoding some steps before the last: ``decode_tokens_per_s``
     counts only steps in which all ``batch`` sequences decode (the batch size asked for); the
@@ -53,6 +64,7 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
             random_prompt(rng, vocab, prompt_len), params, request_id=f"bench-{batch}-{i}"
         )
     full, partial = [], []  # (seconds, tokens) of decode-only steps
+    works = []  # the full steps' work, for the roofline
     while engine.has_unfinished_requests():
         has_prefill = bool(engine.scheduler.waiting) or any(
             s.in_prefill for s in engine.scheduler.running
@@ -63,18 +75,31 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
         dt = time.perf_counter() - t
         if not has_prefill:
             (full if n_running == batch else partial).append((dt, n_running))
+            if n_running == batch:
+                works.append(engine.last_step)
 
     def rate(steps: list[tuple[float, int]]) -> float:
         seconds = sum(dt for dt, _ in steps)
         return sum(n for _, n in steps) / seconds if seconds else 0.0
 
-    return {
+    result = {
         "batch": batch,
         "decode_tokens_per_s": rate(full),
         "step_ms_median": 1e3 * statistics.median(dt for dt, _ in full) if full else 0.0,
         "decode_steps": len(full),
         "all_decode_tokens_per_s": rate(full + partial),
     }
+    if rl is not None and full:
+        mid = works[len(works) // 2]  # the median context
+        result |= {
+            "roofline_fraction": statistics.median(
+                rl.fraction(w, dt) for w, (dt, _) in zip(works, full, strict=True)
+            ),
+            "roofline_bytes": rl.bytes(mid),
+            "roofline_kv_bytes": rl.bytes(mid) - rl.cost.weight_bytes,
+            "roofline_ms": 1e3 * rl.seconds(mid),
+        }
+    return result
 
 
 def time_hf(folder, dtype: torch.dtype, prompt_len: int, output_len: int) -> dict:
@@ -239,6 +264,7 @@ def run_offline_bench(args) -> dict:
             f"raise --kv-cache-bytes"
         )
     time_decode(llm, 1, 64, 8)  # warm-up: kernels compiled, allocator touched
+    rl = roofline.for_engine(engine)  # measured with the benchmark's threads
     result = {
         "machine": machine_description(),
         "model": args.model,
@@ -248,7 +274,14 @@ def run_offline_bench(args) -> dict:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "prefill_s": time_prefill(llm, args.prompt_len),
-        "decode": [time_decode(llm, b, args.prompt_len, args.output_len) for b in batches],
+        "decode": [time_decode(llm, b, args.prompt_len, args.output_len, rl) for b in batches],
+        "roofline": {
+            "bandwidth_bytes_per_s": rl.rates.bandwidth,
+            "gemm_flops_per_s": rl.rates.gemm_flops,
+            "gemm_flops_per_s_by_kernel": rl.rates.gemm_rates,
+            "buffer_bytes": rl.rates.buffer_bytes,
+            "seconds": rl.rates.seconds,
+        },
     }
     result["prefill_tokens_per_s"] = args.prompt_len / result["prefill_s"]
     if args.hf_baseline:
@@ -272,6 +305,7 @@ def run_offline_bench(args) -> dict:
             f"step {d['step_ms_median']:.1f} ms (median of {d['decode_steps']}); all decode steps "
             f"{d['all_decode_tokens_per_s']:.1f} tokens/s"
         )
+    print_roofline(result)
     if "hf" in result:
         hf = result["hf"]
         ours = result["decode"][0]["decode_tokens_per_s"] if batches[0] == 1 else float("nan")
@@ -285,3 +319,21 @@ def run_offline_bench(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def print_roofline(result: dict) -> None:
+    r = result["roofline"]
+    best = max(r["gemm_flops_per_s_by_kernel"], key=r["gemm_flops_per_s_by_kernel"].get)
+    print(
+        f"roofline: memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (a full read "
+        f"of {r['buffer_bytes'] >> 20} MiB), GEMM {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s "
+        f"({best}); measured in {r['seconds']:.2f} s"
+    )
+    for d in result["decode"]:
+        if "roofline_fraction" in d:
+            print(
+                f"decode batch {d['batch']:>3}: reads {d['roofline_bytes'] / 1e6:.1f} MB a step "
+                f"(weights {result['weight_bytes'] / 1e6:.1f} MB + KV "
+                f"{d['roofline_kv_bytes'] / 1e6:.1f} MB), roofline {d['roofline_ms']:.2f} ms; "
+                f"{d['roofline_fraction']:.0%} of the roofline (median step)"
+            )

@@ -195,10 +195,12 @@ class Cluster:
         max_num_seqs: int = 64,
         block_size: int = 16,
         gateway: str | None = None,
+        roofline: bool = False,
         **options: Any,
     ) -> WorkerOptions:
         """A worker of the tiny model registering with ``gateway`` (default: this cluster's
-        Registry, with its cluster token or certificate)."""
+        Registry, with its cluster token or certificate); ``roofline``: measure the machine at
+        start (off: it costs every worker ~0.5 s, tests/serve/test_roofline_metrics.py has it on)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
@@ -215,6 +217,7 @@ class Cluster:
             metrics_port=-1,
             cluster_token=self.token,
             tls=self._tls("worker"),
+            roofline=roofline,
             **options,
         )
 
