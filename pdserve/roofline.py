@@ -268,11 +268,29 @@ def weight_format(model: torch.nn.Module) -> str:
     return "none"
 
 
+def best(a: MachineRates, b: MachineRates) -> MachineRates:
+    """Each rate at the better of two measurements: another process's work only ever slows a
+    measurement down, so on a shared machine the higher one is nearer the machine's limit."""
+    return MachineRates(
+        bandwidth=max(a.bandwidth, b.bandwidth),
+        gemm_flops=max(a.gemm_flops, b.gemm_flops),
+        seconds=a.seconds + b.seconds,
+        buffer_bytes=max(a.buffer_bytes, b.buffer_bytes),
+        gemm_rates={k: max(a.gemm_rates.get(k, 0.0), v) for k, v in b.gemm_rates.items()},
+    )
+
+
+def measure_engine(engine: LLMEngine) -> MachineRates:
+    """``measure`` on the engine's device, in its dtype and weight format."""
+    runner = engine.runner
+    return measure(runner.device, engine.dtype, weight_format(runner.model))
+
+
 def for_engine(engine: LLMEngine, rates: MachineRates | None = None) -> Roofline:
     """The engine's model on this machine; ``rates`` measured now when not given."""
     runner = engine.runner
     if rates is None:
-        rates = measure(runner.device, engine.dtype, weight_format(runner.model))
+        rates = measure_engine(engine)
     kv_itemsize = runner.pool.kv_caches[0][0].element_size()
     cost = ModelCost.of(engine.model_config, runner.weight_bytes(), kv_itemsize)
     return Roofline(cost, rates)

@@ -151,9 +151,7 @@ def _measure_roofline(engine: LLMEngine, role: str):
 
     from pdserve import roofline
 
-    rates = roofline.measure(
-        engine.runner.device, engine.dtype, roofline.weight_format(engine.runner.model)
-    )
+    rates = roofline.measure_engine(engine)
     telemetry.logger().info(
         "roofline.measured",
         role=role,

@@ -128,3 +128,25 @@ def test_bad_input_is_refused_with_what_is_allowed():
         roofline.measure_gemm(torch.device("cpu"), torch.float32, "q3_k")
     with pytest.raises(ValueError, match="at least 1 MiB"):
         roofline.measure_bandwidth(torch.device("cpu"), 4096)
+
+
+def test_best_of_two_measurements_takes_each_rate_at_its_higher():
+    a = MachineRates(bandwidth=10e9, gemm_flops=100e9, seconds=0.5, gemm_rates={"x": 100e9})
+    b = MachineRates(bandwidth=14e9, gemm_flops=90e9, seconds=0.6, gemm_rates={"x": 90e9})
+    both = roofline.best(a, b)
+    assert (both.bandwidth, both.gemm_flops, both.gemm_rates) == (14e9, 100e9, {"x": 100e9})
+    assert both.seconds == pytest.approx(1.1)
+
+
+def test_the_offline_bench_reports_the_median_steps_fraction_and_bytes():
+    from pdserve.bench_offline import roofline_summary
+
+    r = Roofline(COST, RATES)  # weights 1 MB at 1 GB/s: 1 ms + 1 us per KV token
+    steps = [(StepWork(1, 1, n, n), s) for n, s in ((100, 2.2e-3), (200, 1.2e-3), (300, 4.3e-3))]
+    got = roofline_summary(r, steps)
+    # fractions 1.1/2.2, 1.2/1.2, 1.3/4.3 ms: the median is 0.5
+    assert got["roofline_fraction"] == pytest.approx(0.5)
+    assert got["roofline_bytes"] == 1_000_000 + 200 * 1_000
+    assert got["roofline_kv_bytes"] == 200 * 1_000
+    assert got["roofline_ms"] == pytest.approx(1.2)
+    assert roofline_summary(r, []) == {}
