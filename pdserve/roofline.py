@@ -49,7 +49,7 @@ MIN_BUFFER_BYTES = 256 << 20
 MAX_BUFFER_BYTES = 1 << 30
 GEMM_SHAPE = (1024, 1024)  # [N, K] of the weight the GEMM rate is measured on
 GEMM_ROWS = {"decode": 16, "prefill": 256}
-REPEATS = 5  # best of: a pass that another process's time slice fell into does not count
+REPEATS = 3  # best of: a pass that another process's time slice fell into does not count
 
 
 @dataclass(frozen=True)
@@ -179,13 +179,15 @@ def bandwidth_buffer_bytes(llc: int) -> int:
     return min(max(2 * llc, MIN_BUFFER_BYTES), MAX_BUFFER_BYTES)
 
 
-def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
-    """The fastest of ``repeats`` runs of ``fn`` after one warm-up; CUDA work is waited for."""
+def _best_seconds(fn: Callable[[], object], device: torch.device, warm_up: bool = True) -> float:
+    """The fastest of ``REPEATS`` runs of ``fn`` (after one more, ``warm_up``); CUDA work is
+    waited for."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    fn()
-    sync(device)
+    if warm_up:
+        fn()
+        sync(device)
     best = math.inf
-    for _ in range(repeats):
+    for _ in range(REPEATS):
         start = time.perf_counter()
         fn()
         sync(device)
@@ -205,8 +207,9 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> float:
     # prefetches: 5-7 % faster than sum() on one core here).
     rows = buf[: buf.numel() // 1024 * 1024].view(-1, 1024)
     ones = torch.ones(1024, dtype=torch.float32, device=device)
-    seconds = min(
-        _best_seconds(buf.sum, device), _best_seconds(lambda: torch.mv(rows, ones), device)
+    seconds = min(  # no warm-up: the fill brought the pages in
+        _best_seconds(buf.sum, device, warm_up=False),
+        _best_seconds(lambda: torch.mv(rows, ones), device, warm_up=False),
     )
     return buf.numel() * 4 / seconds
 
