@@ -17,13 +17,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sequence import Sequence
 
-COST = ModelCost(
-    weight_bytes=1_000_000,
-    layer_params=100_000,
-    lm_head_params=50_000,
-    kv_bytes_per_token=1_000,
-    attention_flops_per_pair=400,
-)
+# weights 1 MB; 100 k layer params; 50 k lm_head params; 1 kB of KV a token; 400 flop a pair
+COST = ModelCost(1_000_000, 100_000, 50_000, 1_000, 400)
 RATES = MachineRates(bandwidth=1e9, gemm_flops=1e10)
 
 
