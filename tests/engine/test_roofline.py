@@ -95,10 +95,13 @@ def test_the_bandwidth_buffer_is_twice_the_llc_within_bounds():
 
 def test_measuring_takes_seconds_not_minutes():
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     rates = roofline.measure("cpu", torch.float32)
-    took = time.perf_counter() - start
-    assert took < 3.0, f"measuring took {took:.2f} s"
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    # CPU seconds (user + system, page faults included): what the measurement costs a worker's
+    # start; its wall time is that on an idle core (0.5-0.7 s here) and grows with the load
+    # on a shared machine (tests running beside it)
+    assert cpu < 3.0, f"measuring took {cpu:.2f} s of CPU ({took:.2f} s of wall time)"
     assert rates.seconds <= took
     # a CPU core streams from 1 GB/s to a few hundred; it multiplies at 1 to 10,000 Gflop/s
     assert 1e9 < rates.bandwidth < 1e12
