@@ -1,7 +1,7 @@
 """Roofline self-report: how close each engine step runs to what this machine can do.
 
-At start a worker measures two rates, with the torch thread count its engine uses (``measure``,
-well under 2 s):
+At start a worker measures two rates, with the torch thread count its engine uses (``measure``:
+about half a second on an idle core, most of it the first touch of the buffer):
 
 - **memory bandwidth** (bytes/s): the best of a few full reads of a buffer much larger than the
   last-level cache (``bandwidth_buffer_bytes``: twice the LLC, 256 MiB to 1 GiB), by a reduction
@@ -196,7 +196,7 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, warm_up: bool 
 
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a full fp32 reduction over ``nbytes`` of memory (best of ``REPEATS``)."""
+    """Bytes/s of the fastest full read of ``nbytes`` of memory (``REPEATS`` of each kind)."""
     if nbytes < 1 << 20:
         raise ValueError(f"the bandwidth buffer must be at least 1 MiB; got {nbytes} bytes")
     # Plain pages, as torch holds dense and quantized weights. Huge pages (the KV pool's) read
