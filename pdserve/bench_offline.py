@@ -5,6 +5,11 @@ each (end-of-sequence ignored); only steps in which all B sequences decode (no p
 count, so the number is pure decode at batch B over contexts of prompt_len..prompt_len+output_len
 tokens. The steps with fewer sequences, while prompts are still being prefilled or requests
 finish one by one, are reported apart ("all decode steps").
+
+Each batch's roofline fraction (pdserve/roofline.py): the median over those steps of roofline
+time / step time, with the bytes a step reads (weights + KV at the median step's context). The
+rates are measured with the benchmark's threads before and after the decode runs, each rate the
+better of the two (on a shared machine another process's burst only ever lowers one).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 
 import torch
 
+from pdserve import roofline
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
@@ -39,11 +45,18 @@ def time_prefill(llm: LLM, prompt_len: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
+def time_decode(
+    llm: LLM,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    steps: list[tuple[roofline.StepWork, float]] | None = None,
+) -> dict:
     """Decode throughput of ``batch`` requests. Prompts are prefilled a token budget at a time, so
     the first requests start (and finish) decoding some steps before the last: ``decode_tokens_per_s``
     counts only steps in which all ``batch`` sequences decode (the batch size asked for); the
-    ramp-up and drain steps (fewer sequences, no prefill) are in ``all_decode_tokens_per_s``."""
+    ramp-up and drain steps (fewer sequences, no prefill) are in ``all_decode_tokens_per_s``.
+    Each of those steps' work and seconds is appended to ``steps`` (for the roofline)."""
     engine = llm.engine
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
@@ -63,6 +76,8 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
         dt = time.perf_counter() - t
         if not has_prefill:
             (full if n_running == batch else partial).append((dt, n_running))
+            if n_running == batch and steps is not None:
+                steps.append((engine.last_step, dt))
 
     def rate(steps: list[tuple[float, int]]) -> float:
         seconds = sum(dt for dt, _ in steps)
@@ -74,6 +89,20 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, output_len: int) -> dict:
         "step_ms_median": 1e3 * statistics.median(dt for dt, _ in full) if full else 0.0,
         "decode_steps": len(full),
         "all_decode_tokens_per_s": rate(full + partial),
+    }
+
+
+def roofline_summary(rl: roofline.Roofline, steps: list[tuple[roofline.StepWork, float]]) -> dict:
+    """The median step's fraction of the roofline; the bytes and roofline time at the median
+    context."""
+    if not steps:
+        return {}
+    mid = steps[len(steps) // 2][0]
+    return {
+        "roofline_fraction": statistics.median(rl.fraction(w, dt) for w, dt in steps),
+        "roofline_bytes": rl.bytes(mid),
+        "roofline_kv_bytes": rl.bytes(mid) - rl.cost.weight_bytes,
+        "roofline_ms": 1e3 * rl.seconds(mid),
     }
 
 
@@ -239,6 +268,8 @@ def run_offline_bench(args) -> dict:
             f"raise --kv-cache-bytes"
         )
     time_decode(llm, 1, 64, 8)  # warm-up: kernels compiled, allocator touched
+    before = roofline.measure_engine(engine)  # with the benchmark's threads
+    steps: dict[int, list[tuple[roofline.StepWork, float]]] = {b: [] for b in batches}
     result = {
         "machine": machine_description(),
         "model": args.model,
@@ -248,7 +279,21 @@ def run_offline_bench(args) -> dict:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "prefill_s": time_prefill(llm, args.prompt_len),
-        "decode": [time_decode(llm, b, args.prompt_len, args.output_len) for b in batches],
+        "decode": [
+            time_decode(llm, b, args.prompt_len, args.output_len, steps[b]) for b in batches
+        ],
+    }
+    after = roofline.measure_engine(engine)
+    rl = roofline.for_engine(engine, roofline.best(before, after))
+    for d in result["decode"]:
+        d |= roofline_summary(rl, steps[d["batch"]])
+    result["roofline"] = {
+        "bandwidth_bytes_per_s": rl.rates.bandwidth,
+        "bandwidth_bytes_per_s_before_after": [before.bandwidth, after.bandwidth],
+        "gemm_flops_per_s": rl.rates.gemm_flops,
+        "gemm_flops_per_s_by_kernel": rl.rates.gemm_rates,
+        "buffer_bytes": rl.rates.buffer_bytes,
+        "seconds": rl.rates.seconds,
     }
     result["prefill_tokens_per_s"] = args.prompt_len / result["prefill_s"]
     if args.hf_baseline:
@@ -272,6 +317,7 @@ def run_offline_bench(args) -> dict:
             f"step {d['step_ms_median']:.1f} ms (median of {d['decode_steps']}); all decode steps "
             f"{d['all_decode_tokens_per_s']:.1f} tokens/s"
         )
+    print_roofline(result)
     if "hf" in result:
         hf = result["hf"]
         ours = result["decode"][0]["decode_tokens_per_s"] if batches[0] == 1 else float("nan")
@@ -285,3 +331,23 @@ def run_offline_bench(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def print_roofline(result: dict) -> None:
+    r = result["roofline"]
+    best = max(r["gemm_flops_per_s_by_kernel"], key=r["gemm_flops_per_s_by_kernel"].get)
+    b0, b1 = r["bandwidth_bytes_per_s_before_after"]
+    print(
+        f"roofline: memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (full reads of "
+        f"{r['buffer_bytes'] >> 20} MiB; {b0 / 1e9:.1f} before the runs, {b1 / 1e9:.1f} after), "
+        f"GEMM {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ({best}); measuring took "
+        f"{r['seconds']:.2f} s"
+    )
+    for d in result["decode"]:
+        if "roofline_fraction" in d:
+            print(
+                f"decode batch {d['batch']:>3}: reads {d['roofline_bytes'] / 1e6:.1f} MB a step "
+                f"(weights {result['weight_bytes'] / 1e6:.1f} MB + KV "
+                f"{d['roofline_kv_bytes'] / 1e6:.1f} MB), roofline {d['roofline_ms']:.2f} ms; "
+                f"{d['roofline_fraction']:.0%} of the roofline (median step)"
+            )

@@ -14,6 +14,7 @@ from pdserve.kv_connector import HeldBlocks, KVLanding, KVSender, OutgoingKV, Pr
 from pdserve.model.config import ModelConfig
 from pdserve.model.fetch import resolve_model
 from pdserve.outputs import RequestOutput, TokenLogprobs
+from pdserve.roofline import StepWork
 from pdserve.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler, blocks_needed
@@ -89,6 +90,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
+        self.last_step: StepWork | None = None  # the latest step's batch, counted (roofline.py)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(
@@ -228,6 +230,7 @@ class LLMEngine:
         """One forward of the next batch: schedule -> run -> postprocess. Prompts with a KV sender
         ship each layer while the next computes (``kv_out.on_layer``), their token after sampling."""
         batch = self.scheduler.schedule()
+        self.last_step = StepWork.of(batch) if batch else None
         if not batch:
             return []
         on_layer = self.kv_out.on_layer if self.kv_out else None

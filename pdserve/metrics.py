@@ -16,6 +16,9 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
               pdserve_auth_failures_total{reason}      missing, malformed, invalid
     workers   pdserve_requests_total{outcome}, pdserve_generated_tokens_total
               pdserve_queue_seconds, pdserve_step_seconds{phase}
+              pdserve_step_roofline_fraction{phase}   the step's roofline time / its measured time
+              pdserve_roofline_memory_bandwidth_bytes_per_second, pdserve_roofline_gemm_flops_per_second
+                                              the rates measured at start (pdserve/roofline.py)
               pdserve_kv_transfer_seconds{direction}, pdserve_kv_transfer_bytes{direction}
               pdserve_kv_transfer_failures_total{direction}
               pdserve_kv_stale_messages_total    KV messages of a reservation that was over, dropped
@@ -30,15 +33,20 @@ KV blocks) are read at scrape time from the engine: the numbers are plain int re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+if TYPE_CHECKING:
+    from pdserve.roofline import Roofline, StepWork
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(1, 11))  # 4 KiB .. 1 GiB
+# past 1: a model whose weights stay in the cache beats a roofline drawn from memory bandwidth
+FRACTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
 
 
 class _Metrics:
@@ -200,6 +208,28 @@ class WorkerMetrics(_Metrics):
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        # A histogram, not a gauge of a recent average: the fraction differs by the step's kind
+        # (a prompt chunk is compute-bound, a decode step memory-bound) and batch, so the
+        # operator wants its spread, and a mean over the window of their choice (sum / count).
+        self.roofline_fraction = Histogram(
+            "pdserve_step_roofline_fraction",
+            "Roofline time of an engine step (its bytes at the measured memory bandwidth or its "
+            "flops at the measured GEMM rate, the longer) over its measured time; 1 is the limit",
+            ["phase"],
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
+        self.bandwidth = Gauge(
+            "pdserve_roofline_memory_bandwidth_bytes_per_second",
+            "Memory read bandwidth measured at start (0: not measured, --no-roofline)",
+            registry=r,
+        )
+        self.gemm_flops = Gauge(
+            "pdserve_roofline_gemm_flops_per_second",
+            "Matmul rate in the engine's weight format measured at start (0: not measured)",
+            registry=r,
+        )
+        self.roofline: Roofline | None = None
         self.transfer_seconds = Histogram(
             "pdserve_kv_transfer_seconds",
             "Seconds of one request's KV transfer",
@@ -252,6 +282,28 @@ class WorkerMetrics(_Metrics):
             lambda: (num_total_blocks - num_free_blocks()) / max(num_total_blocks, 1)
         )
         self.batch_utilization.set_function(lambda: num_running() / max(max_num_seqs, 1))
+
+    def watch_roofline(self, roofline: Roofline) -> None:
+        """Export the rates measured at start; steps from now on observe their fraction."""
+        self.roofline = roofline
+        self.bandwidth.set(roofline.rates.bandwidth)
+        self.gemm_flops.set(roofline.rates.gemm_flops)
+
+    def step_observer(
+        self, phase: str, last_step: Callable[[], StepWork | None]
+    ) -> Callable[[float], None]:
+        """What the engine loop tells each step's seconds: ``pdserve_step_seconds`` and, with a
+        roofline, the step's fraction of it (``last_step()``: the step's work, engine.py)."""
+        step_seconds = self.step_seconds.labels(phase)
+        fraction = self.roofline_fraction.labels(phase)
+
+        def observe(seconds: float) -> None:
+            step_seconds.observe(seconds)
+            work = last_step()
+            if self.roofline is not None and work is not None and seconds > 0:
+                fraction.observe(self.roofline.fraction(work, seconds))
+
+        return observe
 
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_seconds.labels(direction).observe(seconds)

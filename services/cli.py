@@ -109,6 +109,7 @@ def cmd_worker(args) -> int:
                 drain_timeout_s=args.drain_timeout,
                 tls=tls_config(args),
                 cluster_token=cluster_token(args),
+                roofline=args.roofline,
             )
         )
     )
@@ -309,6 +310,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             default=lifecycle.STALL_TIMEOUT_S,
             help="seconds one engine step may take before the worker says NOT_SERVING and "
             "deregisters (until the step ends)",
+        )
+        w.add_argument(
+            "--no-roofline",
+            dest="roofline",
+            action="store_false",
+            help="skip measuring memory bandwidth and GEMM rate at start (~0.5 s); then no "
+            "pdserve_step_roofline_fraction",
         )
         _drain_arg(w)
         _tls_args(w)

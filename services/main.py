@@ -59,6 +59,9 @@ class WorkerOptions:
     # gateway's Registry with ours. A worker's TLS is always mutual.
     tls: tls.TLSConfig | None = None
     cluster_token: str | None = None  # sent with Register/Heartbeat/Deregister
+    # measure memory bandwidth and GEMM rate at start (~0.5 s) and export each step's fraction
+    # of the roofline (pdserve/roofline.py); off (--no-roofline) for fast test clusters
+    roofline: bool = True
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
@@ -122,6 +125,8 @@ def _worker_parts(opts: WorkerOptions):
 
         transport = create_transport(opts.transport, layout, **_transport_options(opts))
     metrics = WorkerMetrics()
+    if opts.roofline:
+        metrics.watch_roofline(_measure_roofline(engine, opts.role))
     metrics.watch(
         lambda: engine.stats().num_running,
         lambda: engine.stats().num_waiting,
@@ -138,6 +143,26 @@ def _worker_parts(opts: WorkerOptions):
         server = rpc.Server(["pdserve.v1.Decode"], errors=STATUS_CODES)
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
     return engine, layout, worker, server
+
+
+def _measure_roofline(engine: LLMEngine, role: str):
+    """The engine's roofline on this machine, measured now (with the engine's threads), logged."""
+    import torch
+
+    from pdserve import roofline
+
+    rates = roofline.measure_engine(engine)
+    telemetry.logger().info(
+        "roofline.measured",
+        role=role,
+        threads=torch.get_num_threads(),
+        bandwidth_gb_s=round(rates.bandwidth / 1e9, 2),
+        gemm_gflop_s=round(rates.gemm_flops / 1e9, 1),
+        gemm_gflop_s_by_kernel={k: round(v / 1e9, 1) for k, v in rates.gemm_rates.items()},
+        buffer_mib=rates.buffer_bytes >> 20,
+        seconds=round(rates.seconds, 3),
+    )
+    return roofline.for_engine(engine, rates)
 
 
 class WorkerServer:

@@ -122,7 +122,8 @@ class DecodeWorker:
         phase = "decode" if transport is not None else "mixed"
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this decode worker is draining (shutting down)")
-        self.loop = EngineLoop(engine, step_seconds=self.metrics.step_seconds.labels(phase).observe)
+        observe = self.metrics.step_observer(phase, lambda: engine.last_step)
+        self.loop = EngineLoop(engine, step_seconds=observe)
         self._unsettled: set[asyncio.Task[None]] = set()  # blocks freed once a write has landed
         if transport is not None:
             self.metrics.watch_transport(transport.counters)

@@ -44,9 +44,8 @@ class PrefillWorker:
         self.metrics = metrics or WorkerMetrics()
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this prefill worker is draining (shutting down)")
-        self.loop = EngineLoop(
-            engine, step_seconds=self.metrics.step_seconds.labels("prefill").observe
-        )
+        observe = self.metrics.step_observer("prefill", lambda: engine.last_step)
+        self.loop = EngineLoop(engine, step_seconds=observe)
         self._peers: dict[bytes, PeerHandle] = {}
         self._peers_lock = threading.Lock()
         self._releasing: set[asyncio.Task[None]] = set()  # held blocks freed once sends settle

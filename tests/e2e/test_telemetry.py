@@ -252,6 +252,12 @@ def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
     assert _delta(*d, "pdserve_generated_tokens_total") == outs - num
     assert _delta(*d, "pdserve_kv_transfer_bytes_sum", direction="recv") == expected
     assert _delta(*d, "pdserve_kv_transfer_failures_total", direction="recv") == 0
+    # the roofline (on by default): measured at start, a fraction observed for every step
+    for n, pair in (("prefill", p), ("decode", d)):
+        assert after[n][("pdserve_roofline_memory_bandwidth_bytes_per_second", ())] > 1e9, n
+        assert after[n][("pdserve_roofline_gemm_flops_per_second", ())] > 1e9, n
+        steps = _delta(*pair, "pdserve_step_seconds_count", phase=n)
+        assert _delta(*pair, "pdserve_step_roofline_fraction_count", phase=n) == steps >= 1, n
     for n in ("prefill", "decode"):
         assert after[n][("pdserve_kv_blocks", (("state", "used"),))] == 0, n
         assert after[n][("pdserve_kv_blocks", (("state", "free"),))] > 0, n

@@ -196,10 +196,12 @@ class Cluster:
         block_size: int = 16,
         gateway: str | None = None,
         prefix_caching: bool = True,
+        roofline: bool = False,
         **options: Any,
     ) -> WorkerOptions:
         """A worker of the tiny model registering with ``gateway`` (default: this cluster's
-        Registry, with its cluster token or certificate)."""
+        Registry, with its cluster token or certificate); ``roofline``: measure the machine at
+        start (off: it costs every worker ~0.5 s, tests/serve/test_roofline_metrics.py has it on)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
@@ -216,6 +218,7 @@ class Cluster:
             metrics_port=-1,
             cluster_token=self.token,
             tls=self._tls("worker"),
+            roofline=roofline,
             **options,
         )
 
