@@ -197,6 +197,7 @@ class Cluster:
         gateway: str | None = None,
         prefix_caching: bool = True,
         roofline: bool = False,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         **options: Any,
     ) -> WorkerOptions:
         """A worker of the tiny model registering with ``gateway`` (default: this cluster's
@@ -207,7 +208,9 @@ class Cluster:
             dtype="float32",
             threads=1,
             cache=CacheConfig(block_size, KV_CACHE_BYTES, enable_prefix_caching=prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
         )
         return WorkerOptions(
             role=role,
