@@ -172,7 +172,7 @@ class Watchdog:
         if w.probation or not _watched(w):
             return True  # not routed to: it stays out until a probe passes
         message = (
-            f"engine stuck: its step has run {busy:.1f} s, its bound is {bound:.1f} s "
+            f"engine stuck: its step has run {busy:.2f} s, its bound is {bound:.2f} s "
             f"(predicted {predicted:.2f} s; {stats.engine_steps} steps done), Stats answers"
         )
         self._evict(w, "engine_stuck", message, busy)
