@@ -26,6 +26,10 @@ def _listed(c, name: str):
     return c.gateway.registry.workers[c.workers[name].worker_id]
 
 
+def _fast_ok(c) -> float:
+    return c.gateway_metric("pdserve_probes_total", kind="fast", result="ok")
+
+
 def _stream_all(address: str, prompts, params, started: threading.Barrier | None = None):
     """Each prompt streamed in a thread of its own; the token ids of each. ``started``: every
     stream waits there once it has its first two deltas."""
@@ -66,13 +70,14 @@ def test_a_decode_worker_whose_engine_hangs_is_evicted_and_its_streams_resume(cl
             release.set()
     assert got == want
     # caught by its engine's progress in Stats (the real probe would take engine_timeout_s, 20 s)
-    assert GatewayConfig().stuck_step_floor_s < detected <= 5.0, detected
+    assert detected <= 5.0, detected
     assert reason.startswith("engine stuck: its step has run "), reason
     assert "its bound is 2.00 s (predicted 0.00 s" in reason  # a command: the floor
     assert c.gateway_metric("pdserve_evictions_total", reason="engine_stuck") == 1
     assert c.gateway_metric("pdserve_evictions_total", reason="stalled") == 0
     assert c.gateway_metric("pdserve_hang_detection_seconds_count") == 1
-    assert 2.0 < c.gateway_metric("pdserve_hang_detection_seconds_sum") <= detected
+    # the worker's own account of its step's time when Stats answered: past the 2 s floor
+    assert 2.0 < c.gateway_metric("pdserve_hang_detection_seconds_sum") <= 5.0
     assert c.gateway_metric("pdserve_resumes_total") == on_hung
     assert held.result(10) is True
     # Moving again, it answers its next heartbeat by registering, passes a probe and rejoins.
@@ -102,11 +107,17 @@ def test_a_prefill_worker_whose_engine_hangs_is_evicted_and_its_requests_retried
             detected = time.monotonic() - stopped
             reason = hung.evicted
             got = streams.result(60)
-        assert not hung.alive  # still hung: its fast probes fail on progress, no rejoin
+        # Still hung, it registers again (its loop heartbeats) and stays on probation: its fast
+        # probes answer, but with its step past the bound, so they do not pass.
+        wait_until(lambda: hung.probation, 5, "it to register again, on probation")
+        before = _fast_ok(c)
+        wait_until(lambda: _fast_ok(c) >= before + 6, 10, "two more rounds of fast probes")
+        assert hung.probation and not hung.alive
     finally:
         release.set()
     assert got == want
-    assert GatewayConfig().stuck_step_floor_s < detected <= 5.0, detected
+    assert detected <= 5.0, detected
+    assert 2.0 < c.gateway_metric("pdserve_hang_detection_seconds_sum") <= 5.0
     assert reason.startswith("engine stuck: its step has run "), reason
     assert c.gateway_metric("pdserve_evictions_total", reason="engine_stuck") == 1
     assert c.gateway_metric("pdserve_retries_total") >= on_hung >= 1
