@@ -194,6 +194,7 @@ def test_a_busy_worker_is_probed_but_not_evicted(cluster):
     assert c.gateway_metric("pdserve_probes_total", kind="real", result="ok") > before
     assert c.gateway_metric("pdserve_evictions_total", reason="stalled") == 0
     assert c.gateway_metric("pdserve_evictions_total", reason="unresponsive") == 0
+    assert c.gateway_metric("pdserve_evictions_total", reason="engine_stuck") == 0
     assert _listed(c, "colocated-0").alive
     # probes are not requests: the worker counted the 16 streams only
     wait_until(lambda: c.served("colocated-0") == 16, 5, "the worker to count the 16")
