@@ -14,8 +14,9 @@ clears the stamp while it waits idle; ``busy_for()`` is how long the current pie
 run. A worker whose engine is ``alive`` but busy for longer than its stall bound is reported
 unhealthy (services/main.py). ``progress()`` adds the steps completed and how long the current
 step should take (pdserve/step_cost.py, learned from this worker's own steps): the Stats RPC
-reports it, and the gateway evicts a worker whose step runs far past it (gateway/watchdog.py). If the thread dies (``engine.step`` raised), every open stream and
-every pending or later ``call`` fails with ``EngineDeadError``: nothing waits for it forever.
+reports it, and the gateway evicts a worker whose step runs far past it (gateway/watchdog.py).
+If the thread dies (``engine.step`` raised), every open stream and every pending or later
+``call`` fails with ``EngineDeadError``: nothing waits for it forever.
 """
 
 from __future__ import annotations
