@@ -225,7 +225,8 @@ def test_a_hung_idle_worker_is_evicted_and_kept_on_probation_until_it_moves(clus
         prefill=0,
         decode=0,
         colocated=2,
-        config={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5},
+        # the real probe's verdict (engine progress would evict it too, later: at 2 s by default)
+        config={"engine_timeout_s": 1.0, "real_probe_interval_s": 0.5, "stuck_step_floor_s": 30},
         lease_s=1.5,  # heartbeats every 0.5 s: it registers again while still hung
     )
     hung = _listed(c, "colocated-0")
