@@ -30,16 +30,16 @@ class GatewayConfig:
     max(suspect_after_s, probe_interval_s) + 0.25 + probe_timeout_s + real_probe_timeout_s after
     its last progress (4.25 s by default).
 
-    A worker whose engine alone is stuck (its Stats answer) is caught by Stats' engine progress:
-    its current step has run longer than max(``stuck_step_floor_s``, ``stuck_step_factor`` x the
-    time the worker predicts for that step from its own recent steps, pdserve/step_cost.py).
-    The watchdog asks again when a running step would reach that bound, so such a worker is
-    evicted at most bound + 0.25 s + a Stats round trip after the step began: 2.25 s and a few
-    ms by default for a step predicted at 0.5 s or less (commands and decode steps), <= 5 s for
-    one predicted at up to ~1.1 s; a longer step (a CPU prefill chunk of seconds) gets 4 times
-    its prediction. Any of prefill, decode and colocated workers; the real probe
-    (``engine_timeout_s``) stays the backstop, e.g. for a worker's first step, which has no
-    prediction yet."""
+    A worker whose engine alone is stuck (it still answers Stats) is caught by Stats' engine
+    progress: its current step has run longer than max(``stuck_step_floor_s``,
+    ``stuck_step_factor`` x the time the worker predicts for that step from its own recent
+    steps, pdserve/step_cost.py). The watchdog asks again when a running step would reach that
+    bound, so such a worker is evicted at most bound + 0.25 s + a Stats round trip after the
+    step began: 2.25 s and a few ms by default for a step predicted at 0.5 s or less (commands
+    and decode steps), <= 5 s for one predicted at up to ~1.1 s; a longer step (a CPU prefill
+    chunk of seconds) gets 4 times its prediction. Any of prefill, decode and colocated
+    workers; the real probe (``engine_timeout_s``) stays the backstop, e.g. for a worker's first
+    step, which has no measured prediction yet."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0

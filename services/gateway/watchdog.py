@@ -27,8 +27,10 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
   fast probe decides, engine progress included.
 
 A worker is evicted (``WorkerRegistry.evict``: not routed to, its calls cancelled, so its
-requests resume elsewhere) when a probe failed and nothing arrived from it while that probe ran:
-a busy worker whose probe waits behind long steps still streams tokens, and is not evicted. An
+requests resume elsewhere) when a probe failed and nothing arrived from it while that probe ran
+(a busy worker whose probe waits behind long steps still streams tokens, and is not evicted),
+or when its own engine progress shows a step past its bound (no token can arrive meanwhile:
+tokens come out of steps). An
 evicted worker rejoins when it registers again (its next heartbeat is answered "unknown", so it
 re-registers): it is then on probation, listed but not routed to, until a probe passes.
 """
