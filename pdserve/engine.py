@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,8 @@ class LLMEngine:
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.last_step: StepWork | None = None  # the latest step's batch, counted (roofline.py)
+        # told the number of tokens of each step once it is scheduled (EngineLoop's progress)
+        self.on_schedule: Callable[[int], None] | None = None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(
@@ -233,6 +236,8 @@ class LLMEngine:
         self.last_step = StepWork.of(batch) if batch else None
         if not batch:
             return []
+        if self.on_schedule is not None:
+            self.on_schedule(batch.num_tokens)
         on_layer = self.kv_out.on_layer if self.kv_out else None
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
         self.scheduler.postprocess(batch)

@@ -12,8 +12,11 @@ outputs come back on an ``asyncio.Queue`` of its own.
 Liveness: the thread stamps the time each time it wakes for work (a command, or a step), and
 clears the stamp while it waits idle; ``busy_for()`` is how long the current piece of work has
 run. A worker whose engine is ``alive`` but busy for longer than its stall bound is reported
-unhealthy (services/main.py). If the thread dies (``engine.step`` raised), every open stream and
-every pending or later ``call`` fails with ``EngineDeadError``: nothing waits for it forever.
+unhealthy (services/main.py). ``progress()`` adds the steps completed and how long the current
+step should take (pdserve/step_cost.py, learned from this worker's own steps): the Stats RPC
+reports it, and the gateway evicts a worker whose step runs far past it (gateway/watchdog.py).
+If the thread dies (``engine.step`` raised), every open stream and every pending or later
+``call`` fails with ``EngineDeadError``: nothing waits for it forever.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from pdserve import telemetry
 from pdserve.engine import LLMEngine
 from pdserve.outputs import RequestOutput
+from pdserve.step_cost import EngineProgress, StepCost
 
 T = TypeVar("T")
 
@@ -74,6 +78,10 @@ class EngineLoop:
         self.num_steps = 0
         # monotonic time the thread woke for its current work; None while it waits idle
         self._busy_since: float | None = None
+        self.cost = StepCost()
+        self._step_tokens = 0  # of the step running now (0: commands only, so far)
+        self._step_predicted_s = 0.0
+        engine.on_schedule = self._scheduled
         self._lock = threading.Lock()  # orders "dead" against commands being queued
         self.error: BaseException | None = None  # why the thread ended (None: stopped, or running)
         self._dead = False
@@ -101,6 +109,16 @@ class EngineLoop:
         A step takes milliseconds to a few seconds: much longer means it is stuck."""
         since = self._busy_since
         return 0.0 if since is None else time.monotonic() - since
+
+    def progress(self) -> EngineProgress:
+        """Steps done, and the current work's time so far and prediction (from any thread)."""
+        predicted = self._step_predicted_s
+        return EngineProgress(self.num_steps, self.busy_for(), predicted)
+
+    def _scheduled(self, num_tokens: int) -> None:
+        """Engine thread, the batch of the step about to run is known: predict its time."""
+        self._step_tokens = num_tokens
+        self._step_predicted_s = self.cost.predict(num_tokens)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` in the engine thread between steps; its result or exception comes
@@ -189,6 +207,7 @@ class EngineLoop:
         while True:
             # Block for work only when the engine has none; otherwise drain commands and step.
             block = not self.engine.has_unfinished_requests()
+            self._step_tokens, self._step_predicted_s = 0, 0.0
             if block:
                 self._busy_since = None
             try:
@@ -208,8 +227,10 @@ class EngineLoop:
                 continue
             started = time.perf_counter()
             outputs = self.engine.step()
+            seconds = time.perf_counter() - started
+            self.cost.observe(self._step_tokens, seconds)
             if self._step_seconds is not None:
-                self._step_seconds(time.perf_counter() - started)
+                self._step_seconds(seconds)
             self.num_steps += 1
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)

@@ -123,13 +123,15 @@ class GatewayMetrics(_Metrics):
         self.evictions = Counter(
             "pdserve_evictions",
             "Workers evicted by the gateway, by reason (stalled: calls running, no progress; "
-            "unresponsive: idle, probes failed)",
+            "unresponsive: idle, probes failed; engine_stuck: Stats answers, but its engine's "
+            "step runs far past its prediction)",
             ["reason"],
             registry=r,
         )
         self.hang_detection = Histogram(
             "pdserve_hang_detection_seconds",
-            "From a worker's last progress (or its failed probe's start, when idle) to its eviction",
+            "From a worker's last progress (or its failed probe's start, when idle; the start of "
+            "its stuck step for engine_stuck) to its eviction",
             buckets=(0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20),
             registry=r,
         )

@@ -55,6 +55,8 @@ def gateway_config(args) -> GatewayConfig:
         probe_timeout_s=args.probe_timeout,
         real_probe_timeout_s=args.real_probe_timeout,
         engine_timeout_s=args.engine_timeout,
+        stuck_step_floor_s=args.stuck_step_floor,
+        stuck_step_factor=args.stuck_step_factor,
     )
 
 
@@ -260,6 +262,20 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         default=GatewayConfig.engine_timeout_s,
         help="seconds the real probe may take on a worker that answers Stats (longer than two "
         "chunked-prefill steps)",
+    )
+    hang.add_argument(
+        "--stuck-step-floor",
+        type=float,
+        default=GatewayConfig.stuck_step_floor_s,
+        help="a worker whose Stats answer but whose engine step has run longer than this and "
+        "--stuck-step-factor x the step's predicted time is evicted (engine stuck)",
+    )
+    hang.add_argument(
+        "--stuck-step-factor",
+        type=float,
+        default=GatewayConfig.stuck_step_factor,
+        help="multiple of a step's predicted time (learned by the worker from its own recent "
+        "steps) that the step may run before its engine counts as stuck (>= 1)",
     )
     gw.add_argument(
         "--api-keys",

@@ -102,18 +102,24 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "outstanding_tokens")
+    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "outstanding_tokens", "engine_steps", "engine_busy_s", "engine_step_predicted_s")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_free_blocks: int
     num_running: int
     num_waiting: int
     outstanding_tokens: int
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    engine_busy_s: float
+    engine_step_predicted_s: float
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., engine_step_predicted_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "role", "address", "layout")

@@ -70,4 +70,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await self.worker.release(adm)  # the caller went away right after admission, or failed
 
     async def Stats(self, request, context) -> worker_pb2.WorkerStats:
-        return worker_stats(self.worker.engine)
+        return worker_stats(self.worker.loop)

@@ -28,8 +28,18 @@ class GatewayConfig:
     ``engine_timeout_s`` for its real probe (longer than two chunked-prefill steps). Failing,
     and nothing arrived from it meanwhile: evicted. A stopped worker is evicted at most
     max(suspect_after_s, probe_interval_s) + 0.25 + probe_timeout_s + real_probe_timeout_s after
-    its last progress (4.25 s by default); one whose engine alone is stuck, within
-    suspect_after_s + 0.25 + engine_timeout_s."""
+    its last progress (4.25 s by default).
+
+    A worker whose engine alone is stuck (it still answers Stats) is caught by Stats' engine
+    progress: its current step has run longer than max(``stuck_step_floor_s``,
+    ``stuck_step_factor`` x the time the worker predicts for that step from its own recent
+    steps, pdserve/step_cost.py). The watchdog asks again when a running step would reach that
+    bound, so such a worker is evicted at most bound + 0.25 s + a Stats round trip after the
+    step began: 2.25 s and a few ms by default for a step predicted at 0.5 s or less (commands
+    and decode steps), <= 5 s for one predicted at up to ~1.1 s; a longer step (a CPU prefill
+    chunk of seconds) gets 4 times its prediction. Any of prefill, decode and colocated
+    workers; the real probe (``engine_timeout_s``) stays the backstop, e.g. for a worker's first
+    step, which has no measured prediction yet."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
@@ -46,6 +56,8 @@ class GatewayConfig:
     probe_timeout_s: float = 1.0
     real_probe_timeout_s: float = 2.0
     engine_timeout_s: float = 20.0
+    stuck_step_floor_s: float = 2.0
+    stuck_step_factor: float = 4.0
 
     def __post_init__(self) -> None:
         if not self.probe_interval_s >= 0:
@@ -62,9 +74,15 @@ class GatewayConfig:
             "probe_timeout_s",
             "real_probe_timeout_s",
             "engine_timeout_s",
+            "stuck_step_floor_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.stuck_step_factor >= 1:
+            raise ValueError(
+                f"stuck_step_factor must be >= 1 (a multiple of a step's predicted time), "
+                f"got {self.stuck_step_factor}"
+            )
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
         if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:

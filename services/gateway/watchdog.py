@@ -15,13 +15,22 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
   continuous batch like any request: it answers after a step or two on a busy worker, never on
   one whose engine is stuck. A CPU step with a 1,024-token prefill chunk can take seconds, hence
   the long deadline of this probe on a worker that answers Stats.
+- **Engine progress** (every role): the Stats answer says how long the worker's engine has
+  been in its current step and how long that step should take, predicted from the worker's
+  own recent steps (pdserve/step_cost.py). A step past max(``stuck_step_floor_s``,
+  ``stuck_step_factor`` x its prediction) while Stats answers is a stuck engine: the worker is
+  evicted at once (reason ``engine_stuck``). A long step that is predicted long (a CPU prefill
+  chunk) is not. The next fast probe is brought forward to the moment a running step would
+  reach its bound, so the eviction comes at most that bound + ``TICK_S`` + a Stats round trip
+  after the step began (about 2.3 s by default). The real probe remains the backstop.
 - A prefill worker has no real probe (Prefill needs a KV destination on a decode worker): its
-  fast probe decides. A prefill worker whose engine alone is stuck is left to its own stall
-  watchdog (``--stall-timeout``: it deregisters), and its Prefill calls to their deadlines.
+  fast probe decides, engine progress included.
 
 A worker is evicted (``WorkerRegistry.evict``: not routed to, its calls cancelled, so its
-requests resume elsewhere) when a probe failed and nothing arrived from it while that probe ran:
-a busy worker whose probe waits behind long steps still streams tokens, and is not evicted. An
+requests resume elsewhere) when a probe failed and nothing arrived from it while that probe ran
+(a busy worker whose probe waits behind long steps still streams tokens, and is not evicted),
+or when its own engine progress shows a step past its bound (no token can arrive meanwhile:
+tokens come out of steps). An
 evicted worker rejoins when it registers again (its next heartbeat is answered "unknown", so it
 re-registers): it is then on probation, listed but not routed to, until a probe passes.
 """
@@ -134,8 +143,10 @@ class Watchdog:
         """Stats; when it fails (the process does not answer), a real probe with the short
         deadline confirms before the eviction."""
         started = time.monotonic()
-        result = await self._fast(w)
-        if result == "ok":
+        result, stats = await self._fast(w)
+        if stats is not None:
+            if self._engine_stuck(w, stats):
+                return
             if w.role == "prefill":  # nothing else to try on a prefill worker
                 self._passed(w)
             return
@@ -147,6 +158,27 @@ class Watchdog:
             self._passed(w)
         else:
             self._failed(w, "real", result, started, why)
+
+    def _engine_stuck(self, w: Worker, stats: worker_pb2.WorkerStats) -> bool:
+        """Evict ``w`` if its engine's current step runs past its bound; else have its next fast
+        probe come when that step would reach it. True when it is stuck."""
+        cfg = self.config
+        busy, predicted = stats.engine_busy_s, stats.engine_step_predicted_s
+        bound = max(cfg.stuck_step_floor_s, cfg.stuck_step_factor * predicted)
+        if busy <= bound:
+            if busy > 0:
+                key = (w, "fast")
+                soon = time.monotonic() + bound - busy
+                self._due[key] = min(self._due.get(key, soon), soon)
+            return False
+        if w.probation or not _watched(w):
+            return True  # not routed to: it stays out until a probe passes
+        message = (
+            f"engine stuck: its step has run {busy:.2f} s, its bound is {bound:.2f} s "
+            f"(predicted {predicted:.2f} s; {stats.engine_steps} steps done), Stats answers"
+        )
+        self._evict(w, "engine_stuck", message, busy)
+        return True
 
     async def _real_lane(self, w: Worker, why: str) -> None:
         """A 1-token generation, given ``engine_timeout_s``: the process answers, so its engine
@@ -185,6 +217,9 @@ class Watchdog:
             if busy
             else f"its {kind} probe: {result}"
         )
+        self._evict(w, reason, message, detection)
+
+    def _evict(self, w: Worker, reason: str, message: str, detection: float) -> None:
         calls = len(w.calls)
         self.registry.evict(w, message)
         self.metrics.evictions.labels(reason).inc()
@@ -200,14 +235,17 @@ class Watchdog:
             calls_cancelled=calls,
         )
 
-    async def _fast(self, w: Worker) -> str:
+    async def _fast(self, w: Worker) -> tuple[str, worker_pb2.WorkerStats | None]:
+        stats = None
         try:
-            await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
+            stats = await w.stub.Stats(
+                worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s
+            )
             result = "ok"
         except grpc.aio.AioRpcError as e:
             result = _result(e)
         self.metrics.probes.labels("fast", result).inc()
-        return result
+        return result, stats
 
     async def _real(self, w: Worker, timeout: float) -> str:
         req = worker_pb2.DecodeRequest(

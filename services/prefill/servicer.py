@@ -60,4 +60,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         )
 
     async def Stats(self, request, context) -> worker_pb2.WorkerStats:
-        return worker_stats(self.worker.engine)
+        return worker_stats(self.worker.loop)

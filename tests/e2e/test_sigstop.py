@@ -113,6 +113,9 @@ def test_a_stopped_decode_worker_is_evicted_its_streams_resume_and_it_rejoins(cl
     assert _metric(gw, "pdserve_hang_detection_seconds_sum") <= BOUND_S
     assert _metric(gw, "pdserve_resumes_total") == running[victim]
     assert _metric(gw, "pdserve_evictions_total", reason="unresponsive") == 0
+    # its engine is as stopped as its process, but Stats does not answer: no engine_stuck; and
+    # no busy worker's long steps (the real model, fp32, 2 cores) were taken for a stuck engine
+    assert _metric(gw, "pdserve_evictions_total", reason="engine_stuck") == 0
     # every stream went on within the bound of the worker stopping, plus the resume's prefill
     # (4 prompts + their first tokens, fp32, on a shared 2-core CPU: well under 3 s)
     assert max(gap for _, gap in results) < BOUND_S + 3

@@ -197,17 +197,21 @@ class Cluster:
         gateway: str | None = None,
         prefix_caching: bool = True,
         roofline: bool = False,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
         **options: Any,
     ) -> WorkerOptions:
-        """A worker of the tiny model registering with ``gateway`` (default: this cluster's
+        """A worker of the cluster's model registering with ``gateway`` (default: this cluster's
         Registry, with its cluster token or certificate); ``roofline``: measure the machine at
         start (off: it costs every worker ~0.5 s, tests/serve/test_roofline_metrics.py has it on)."""
         engine = EngineConfig(
             model=str(self.model),
             dtype="float32",
             threads=1,
-            cache=CacheConfig(block_size, KV_CACHE_BYTES, enable_prefix_caching=prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+            cache=CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching=prefix_caching),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
         )
         return WorkerOptions(
             role=role,
