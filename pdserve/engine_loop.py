@@ -34,9 +34,11 @@ import torch
 from pdserve import telemetry
 from pdserve.engine import LLMEngine
 from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
 from pdserve.step_cost import EngineProgress, StepCost
 
 T = TypeVar("T")
+WARM_UP_TOKENS = 64  # prompt tokens of each warm-up generation
 
 
 class EngineDeadError(RuntimeError):
@@ -67,8 +69,11 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         step_seconds: Callable[[float], None] | None = None,
+        warm_up: bool = True,
     ) -> None:
-        """``step_seconds(s)`` is told how long each step took (a metric)."""
+        """``step_seconds(s)`` is told how long each step took (a metric); ``warm_up``: two
+        short generations before serving (``_warm_up``)."""
+        self.warm_up = warm_up
         self.engine = engine
         self._step_seconds = step_seconds
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -87,6 +92,11 @@ class EngineLoop:
         self._dead = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Warm up (``_warm_up``, in the caller's thread: the worker is not serving yet, and
+        is done with it before it says it is), then start the engine thread."""
+        if self.warm_up:
+            with torch.inference_mode():
+                self._warm_up()
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -202,6 +212,23 @@ class EngineLoop:
                         command.fail(self._dead_error())
                 if self.error is not None:
                     self._loop.call_soon_threadsafe(self._fail_streams)
+
+    def _warm_up(self) -> None:
+        """Before serving: two short generations of made-up token ids, the second
+        one timed. The first pays the one-off set-up (the layer loop compiled, memory touched)
+        before any request does; the second gives ``cost`` measured steps, so the hang
+        watchdog's bound holds from the first request on (pdserve/step_cost.py)."""
+        engine = self.engine
+        vocab = engine.model_config.vocab_size
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        for i in range(2):
+            ids = [(1000 + 613 * i + k) % vocab for k in range(WARM_UP_TOKENS)]
+            engine.add_request(ids, params, f"warm-up-{i}")
+            while engine.has_unfinished_requests():
+                started = time.perf_counter()
+                engine.step()
+                if i:
+                    self.cost.observe(self._step_tokens, time.perf_counter() - started)
 
     def _serve(self) -> None:
         while True:

@@ -10,7 +10,8 @@ healthy step, so it is an upper estimate built from two facts about a forward pa
 
 So a measured step of ``t`` tokens that took ``s`` seconds bounds a step of ``n`` tokens by
 ``s * max(1, n / t)``, and the prediction is the tightest such bound among the recent steps.
-Before any step has been measured (the first step, with its one-off set-up) it is
+Workers measure steps before they serve (``EngineLoop._warm_up``). Before any step has been
+measured (an engine used without that warm-up) it is
 ``UNMEASURED_STEP_S + n * UNMEASURED_S_PER_TOKEN``: long enough that the gateway leaves such a
 step to its slower probes.
 """

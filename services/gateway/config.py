@@ -38,8 +38,8 @@ class GatewayConfig:
     step began: 2.25 s and a few ms by default for a step predicted at 0.5 s or less (commands
     and decode steps), <= 5 s for one predicted at up to ~1.1 s; a longer step (a CPU prefill
     chunk of seconds) gets 4 times its prediction. Any of prefill, decode and colocated
-    workers; the real probe (``engine_timeout_s``) stays the backstop, e.g. for a worker's first
-    step, which has no measured prediction yet."""
+    workers; the real probe (``engine_timeout_s``) stays the backstop. Workers warm up before
+    they serve (EngineLoop._warm_up), so a prediction is measured before the first request."""
 
     policy: str = "least_loaded"
     lease_s: float = 10.0
