@@ -280,3 +280,13 @@ def test_a_prefill_worker_that_stops_answering_is_evicted_on_its_fast_probe(clus
 def test_hang_detection_bounds_are_checked(field, value):
     with pytest.raises(ValueError, match=f"{field} must be"):
         GatewayConfig(**{field: value})
+
+
+def test_workers_have_measured_steps_before_their_first_request(cluster):
+    """Workers warm up before they serve (EngineLoop._warm_up): their step prediction, which
+    the engine_stuck bound is made of, is measured (not the unmeasured default) from the first
+    request on, and the warm-up leaves no block or request behind."""
+    c = cluster(prefill=1, decode=1)
+    for w in c.workers.values():
+        assert w.worker.loop.cost.predict(64) < UNMEASURED_STEP_S
+    assert_no_leaks(c.live())
