@@ -96,15 +96,17 @@ def kv_layout(engine: LLMEngine, model_name: str):
 
 
 def _transport_options(opts: WorkerOptions) -> dict[str, object]:
-    """UCX: a decode worker listens for its senders' liveness connections (transfer/liveness.py)
-    on the gRPC host, at an ephemeral port, and publishes the advertised host; a prefill worker
-    receives nothing and listens for nothing."""
+    """UCX: message buffers on the engine's device, where its KV pools are (CUDA pools go over
+    UCX as CUDA memory, never staged through the host); a decode worker listens for its senders'
+    liveness connections (transfer/liveness.py) on the gRPC host, at an ephemeral port, and
+    publishes the advertised host; a prefill worker receives nothing and listens for nothing."""
     if opts.transport != "ucx":
         return {}
+    device = opts.engine.device
     if opts.role != "decode":
-        return {"liveness_host": None}
+        return {"device": device, "liveness_host": None}
     host = advertised_address(opts.host, 0, opts.advertise).rsplit(":", 1)[0].strip("[]")
-    return {"liveness_host": opts.host, "liveness_advertise": host}
+    return {"device": device, "liveness_host": opts.host, "liveness_advertise": host}
 
 
 def _worker_parts(opts: WorkerOptions):

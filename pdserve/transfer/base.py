@@ -74,6 +74,9 @@ class KVTransport(ABC):
     None: every transfer goes framed. ``SendTransfer.send_pool_layer`` uses it."""
     fence: BlockFence | None = None
     """The receiver's block owners and stale-message count (fence.py), where it keeps them."""
+    device: torch.device = torch.device("cpu")
+    """Where this transport's message buffers live: the worker's device, so that KV in CUDA
+    pools is gathered, sent and landed as CUDA memory (UCX: cuda_copy / cuda_ipc)."""
 
     def counters(self) -> TransportCounters:
         """Stale messages dropped, transfers and blocks not settled yet (fence.py)."""
@@ -144,11 +147,13 @@ class KVTransport(ABC):
         num_blocks: int,
         timeout: float,
         traceparent: str = "",
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         dst_block_ids: Sequence[int] | None = None,
     ) -> SendTransfer:
         """A sender's handle on one transfer: headers, deadline and stats for all its layers.
+        ``device``: where its layers are gathered (default: the transport's ``device``);
         ``dst_block_ids``, the receiver's blocks for it, let ``send_pool_layer`` send direct."""
+        device = self.device if device is None else device
         return SendTransfer(
             self, peer, transfer_id, num_blocks, timeout, traceparent, device, dst_block_ids
         )
