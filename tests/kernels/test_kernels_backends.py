@@ -14,18 +14,18 @@ import pytest
 import torch
 from pdserve.kernels import reference
 
-HAS_CUDA = torch.cuda.is_available()
+from tests.gpu import GPU, HAS_CUDA
+
 if not HAS_CUDA:
     # Test setup: @triton.jit picks the interpreter when kernels.triton is imported (lazily, below).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 BACKENDS = [
     pytest.param("reference", "cpu", id="reference-cpu"),
     pytest.param("cpu", "cpu", id="cpu"),
     pytest.param("triton", "cpu", id="triton-interpreter"),
-    pytest.param("triton", "cuda", id="triton-cuda", marks=gpu),
-    pytest.param("reference", "cuda", id="reference-cuda", marks=gpu),
+    pytest.param("triton", "cuda", id="triton-cuda", marks=GPU),
+    pytest.param("reference", "cuda", id="reference-cuda", marks=GPU),
 ]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 HEADS = [  # (num_heads, num_kv_heads, head_dim)

@@ -67,20 +67,24 @@ def block_ids(
 
 
 class Pools:
-    """Per-layer K and V pools ``[pool_blocks, *block_shape]``, zero-filled."""
+    """Per-layer K and V pools ``[pool_blocks, *block_shape]``, zero-filled, on ``device``."""
 
-    def __init__(self, layout: KVLayout, pool_blocks: int) -> None:
+    def __init__(self, layout: KVLayout, pool_blocks: int, device: str = "cpu") -> None:
         shape = (pool_blocks, *layout.block_shape)
         self.layout = layout
-        self.k = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
+        ]
 
     def fill(self, ids: torch.Tensor, seed: int) -> None:
         """Put the transfer ``seed``'s KV at ``ids`` (the sender's side)."""
         for layer in range(self.layout.num_layers):
             k, v = layer_kv(self.layout, len(ids), seed, layer)
-            self.k[layer][ids] = k
-            self.v[layer][ids] = v
+            self.k[layer][ids] = k.to(self.k[layer].device)
+            self.v[layer][ids] = v.to(self.v[layer].device)
 
     def mismatches(self, ids: torch.Tensor, seed: int) -> list[str]:
         """Layers whose blocks at ``ids`` differ in any byte from transfer ``seed``'s KV, or whose
@@ -90,11 +94,12 @@ class Pools:
         others[ids] = False
         for layer in range(self.layout.num_layers):
             k, v = layer_kv(self.layout, len(ids), seed, layer)
+            got_k, got_v = self.k[layer].cpu(), self.v[layer].cpu()
             same = all(
                 torch.equal(got[ids].view(torch.uint8), want.view(torch.uint8))
-                for got, want in ((self.k[layer], k), (self.v[layer], v))
+                for got, want in ((got_k, k), (got_v, v))
             )
-            clean = not self.k[layer][others].any() and not self.v[layer][others].any()
+            clean = not got_k[others].any() and not got_v[others].any()
             if not (same and clean):
                 bad.append(f"layer {layer}: bytes equal={same}, other blocks untouched={clean}")
         return bad
@@ -133,11 +138,14 @@ def stop(proc: mp.Process) -> None:
 # -- child processes ---------------------------------------------------------------------------
 
 
-def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
+def receiver_main(
+    conn: Connection, layout: KVLayout, pool_blocks: int, device: str = "cpu"
+) -> None:
     """Receive transfers on command, scatter them into this process's own block ids, and report
     ("done", tid, mismatches, bytes, block ids, first token) or ("failed", tid, error type,
     message). ``land`` False: through a callback (``index_copy_into``), not a PoolDestination,
-    so that a transport cannot land the transfer in the pools itself."""
+    so that a transport cannot land the transfer in the pools itself. Pools and transport on
+    ``device``."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -154,7 +162,7 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
         run: bool | int = False,
         land: bool = True,
     ) -> None:
-        pools = Pools(layout, pool_blocks)
+        pools = Pools(layout, pool_blocks, device)
         ids = block_ids(pool_blocks, num_blocks, seed + 7919, run)
         dest = PoolDestination(pools.k, pools.v, ids) if land else index_copy_into(pools, ids)
         transfer = transport.expect(tid, dest, timeout)
@@ -176,7 +184,7 @@ def receiver_main(conn: Connection, layout: KVLayout, pool_blocks: int) -> None:
             )
 
     try:
-        with create_transport("ucx", layout) as transport:
+        with create_transport("ucx", layout, device=device) as transport:
             reply(("address", transport.address()))
             while (cmd := conn.recv()) is not None:
                 threading.Thread(target=run, args=(transport, *cmd), daemon=True).start()

@@ -57,10 +57,16 @@ class Source:
     """The sender's side of one transfer: its pools hold transfer ``seed``'s KV at its own ids."""
 
     def __init__(
-        self, sender: KVTransport, peer: object, tid: int, seed: int, timeout: float = 20.0
+        self,
+        sender: KVTransport,
+        peer: object,
+        tid: int,
+        seed: int,
+        timeout: float = 20.0,
+        device: str = "cpu",
     ) -> None:
-        self.pools = Pools(sender.layout, POOL_BLOCKS)
-        self.ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed)
+        self.pools = Pools(sender.layout, POOL_BLOCKS, device)
+        self.ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed).to(device)
         self.pools.fill(self.ids, seed)
         self.start = lambda: sender.start_send(peer, tid, NUM_BLOCKS, timeout=timeout)  # type: ignore[arg-type]
         self._tx: SendTransfer | None = None
@@ -92,8 +98,10 @@ def send_layers(
     return Source(sender, peer, tid, seed, timeout).send(layers)
 
 
-def expect(receiver: KVTransport, tid: int, seed: int, timeout: float = 20.0):  # noqa: ANN201
-    pools = Pools(receiver.layout, POOL_BLOCKS)
+def expect(  # noqa: ANN201
+    receiver: KVTransport, tid: int, seed: int, timeout: float = 20.0, device: str = "cpu"
+):
+    pools = Pools(receiver.layout, POOL_BLOCKS, device)
     ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed + 7919)  # not the sender's ids
     transfer = receiver.expect(tid, PoolDestination(pools.k, pools.v, ids), timeout)
     return transfer, pools, ids

@@ -23,9 +23,8 @@ from pdserve.transfer.experimental.nccl_lib import (
     find_libnccl,
 )
 from pdserve.transfer.header import HEADER_NBYTES, pack_address, read_header, write_message
+from tests.gpu import NEEDS_CUDA
 from tests.transfer.peers import default_layout, layer_kv
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +140,7 @@ def test_layer_framing_header_then_sized_payload(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
-@gpu
+@NEEDS_CUDA
 def test_one_rank_communicator_moves_a_layer_to_itself(lib: NCCLLibrary) -> None:
     """The ctypes signatures of init, send and recv on a real GPU: a rank sending to itself
     (grouped, as NCCL requires for self-sends)."""

@@ -37,9 +37,9 @@ _ids = itertools.count(1000)
 class RemoteReceiver:
     """A receiver process; ``expect`` asks it to receive a transfer and check every byte."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, device: str = "cpu") -> None:
         self.layout = default_layout(dtype)
-        self.proc, self.conn = peers.spawn(peers.receiver_main, self.layout, POOL_BLOCKS)
+        self.proc, self.conn = peers.spawn(peers.receiver_main, self.layout, POOL_BLOCKS, device)
         reply = recv(self.conn)
         assert reply[0] == "address", reply
         self.address = reply[1]
