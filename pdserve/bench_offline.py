@@ -106,18 +106,24 @@ def roofline_summary(rl: roofline.Roofline, steps: list[tuple[roofline.StepWork,
     }
 
 
-def time_hf(folder, dtype: torch.dtype, prompt_len: int, output_len: int) -> dict:
-    """Hugging Face transformers' generate at batch 1, same weights and dtype."""
+def time_hf(
+    folder, dtype: torch.dtype, prompt_len: int, output_len: int, device: str = "cpu"
+) -> dict:
+    """Hugging Face transformers' generate at batch 1, same weights, dtype and device."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    model.eval()
     rng = random.Random(7)
-    ids = torch.tensor([random_prompt(rng, model.config.vocab_size, prompt_len)])
+    ids = torch.tensor([random_prompt(rng, model.config.vocab_size, prompt_len)], device=device)
 
     def run(n: int) -> float:
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        out.tolist()  # waits for the device
         return time.perf_counter() - t
 
     run(2)  # warm-up
@@ -126,7 +132,7 @@ def time_hf(folder, dtype: torch.dtype, prompt_len: int, output_len: int) -> dic
     return {"prefill_s": prefill, "decode_tokens_per_s": (output_len - 1) / (total - prefill)}
 
 
-def machine_description() -> str:
+def machine_description(device: str = "cpu") -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -136,7 +142,12 @@ def machine_description() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    host = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    if device.startswith("cuda"):
+        from pdserve.bench_gpu import gpu_description
+
+        return f"{gpu_description(torch.device(device))}; host {host}"
+    return host
 
 
 # The kernel entry points a step's time is split by (the backend's functions, then the rest).
@@ -271,7 +282,7 @@ def run_offline_bench(args) -> dict:
     before = roofline.measure_engine(engine)  # with the benchmark's threads
     steps: dict[int, list[tuple[roofline.StepWork, float]]] = {b: [] for b in batches}
     result = {
-        "machine": machine_description(),
+        "machine": machine_description(args.device),
         "model": args.model,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "quantization": args.quantization,
@@ -300,8 +311,12 @@ def run_offline_bench(args) -> dict:
         from pdserve.model.fetch import resolve_model
 
         result["hf"] = time_hf(
-            resolve_model(args.model), engine.dtype, args.prompt_len, args.output_len
+            resolve_model(args.model), engine.dtype, args.prompt_len, args.output_len, args.device
         )
+    if engine.runner.device.type == "cuda":
+        from pdserve.bench_gpu import add_mbu
+
+        add_mbu(result, engine)
     print(f"machine: {result['machine']}")
     print(
         f"model: {args.model} ({result['dtype']}, weights {args.quantization}, "
@@ -312,10 +327,16 @@ def run_offline_bench(args) -> dict:
         f"({result['prefill_tokens_per_s']:.0f} tokens/s)"
     )
     for d in result["decode"]:
+        mbu = f", MBU {d['mbu']:.1%}" if "mbu" in d else ""
         print(
             f"decode batch {d['batch']:>3}: {d['decode_tokens_per_s']:8.1f} tokens/s, "
-            f"step {d['step_ms_median']:.1f} ms (median of {d['decode_steps']}); all decode steps "
-            f"{d['all_decode_tokens_per_s']:.1f} tokens/s"
+            f"step {d['step_ms_median']:.2f} ms (median of {d['decode_steps']}){mbu}; all decode "
+            f"steps {d['all_decode_tokens_per_s']:.1f} tokens/s"
+        )
+    if "device_bandwidth_gbps" in result:
+        print(
+            f"MBU: bytes read per step (weights + KV) / step time / "
+            f"{result['device_bandwidth_gbps']:.0f} GB/s (a device-to-device copy here)"
         )
     print_roofline(result)
     if "hf" in result:

@@ -107,6 +107,11 @@ def download_default_gguf(dest_dir: Path) -> Path:
     return dest_dir / DEFAULT_MODEL_GGUF
 
 
+def default_model_fetched() -> bool:
+    """Whether the default model is converted in the cache already (using it fetches nothing)."""
+    return _is_complete(models_dir() / DEFAULT_MODEL)
+
+
 def fetch_default_model(progress: bool = True) -> Path:
     """The converted default model folder, downloaded and converted on first use."""
 

@@ -1,4 +1,5 @@
-"""The default model (SmolLM2-135M-Instruct) against transformers, and continuous batching on it."""
+"""The default model (SmolLM2-135M-Instruct) against transformers, and continuous batching on it:
+every test on the CPU and (marked gpu) on CUDA, transformers running on the same device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.model.fetch import DEFAULT_MODEL
+from pdserve.model.fetch import DEFAULT_MODEL, default_model_fetched, models_dir
+from tests.gpu import DEVICES
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,11 +26,20 @@ QUESTIONS = [
 NEW_TOKENS = 64
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    if request.param != "cpu" and not default_model_fetched():
+        # not fetched here: GPU machines may reach no package index (scripts/gpu-check)
+        pytest.skip(f"{DEFAULT_MODEL} is not in {models_dir()} and is not fetched on a GPU run")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm():
+def llm(device):
     return LLM(
         DEFAULT_MODEL,
         dtype="float32",
+        device=device,
         threads=2,
         cache=CacheConfig(kv_cache_bytes=256 << 20),
         scheduler=SchedulerConfig(max_num_seqs=32),
@@ -41,9 +52,13 @@ def hf_model(llm):
 
     from pdserve.model.fetch import resolve_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        resolve_model(DEFAULT_MODEL), dtype=torch.float32
-    ).eval()
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            resolve_model(DEFAULT_MODEL), dtype=torch.float32
+        )
+        .to(llm.engine.runner.device)
+        .eval()
+    )
 
 
 def test_greedy_matches_transformers_on_8_prompts(llm, hf_model):
@@ -52,7 +67,7 @@ def test_greedy_matches_transformers_on_8_prompts(llm, hf_model):
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     )
     for prompt, out in zip(prompts, outs, strict=True):
-        ids = torch.tensor([out.prompt_token_ids])
+        ids = torch.tensor([out.prompt_token_ids], device=hf_model.device)
         with torch.no_grad():
             ref = hf_model.generate(
                 ids,
@@ -65,7 +80,7 @@ def test_greedy_matches_transformers_on_8_prompts(llm, hf_model):
             )
         assert out.token_ids == ref.sequences[0, ids.shape[1] :].tolist(), prompt
         for step, (ours, logits) in enumerate(zip(out.logprobs, ref.logits, strict=True)):
-            ref_lp = torch.log_softmax(logits[0].float(), -1)
+            ref_lp = torch.log_softmax(logits[0].float(), -1).cpu()
             top_ids = [t for t, _ in ours.top]
             # fp32 on both sides, 30 layers: top-5 logprobs agree to 1e-3 nats.
             assert torch.allclose(
@@ -75,7 +90,7 @@ def test_greedy_matches_transformers_on_8_prompts(llm, hf_model):
     assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
 
-def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model):
+def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model, device):
     """bf16 runs other kernels (on AVX512-BF16: packed linears, bf16 dot-product attention), so
     tokens may differ from fp32 where two candidates are near a tie. Measured against
     transformers in fp32 on our own greedy continuations (teacher-forced), our bf16 must be as
@@ -87,11 +102,19 @@ def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model):
     from pdserve.model.fetch import resolve_model
 
     llm16 = LLM(
-        DEFAULT_MODEL, dtype="bfloat16", threads=2, cache=CacheConfig(kv_cache_bytes=256 << 20)
+        DEFAULT_MODEL,
+        dtype="bfloat16",
+        device=device,
+        threads=2,
+        cache=CacheConfig(kv_cache_bytes=256 << 20),
     )
-    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
-        resolve_model(DEFAULT_MODEL), dtype=torch.bfloat16
-    ).eval()
+    hf16 = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            resolve_model(DEFAULT_MODEL), dtype=torch.bfloat16
+        )
+        .to(device)
+        .eval()
+    )
     prompts = [llm16.chat_prompt(q) for q in QUESTIONS]
     outs = llm16.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
@@ -99,10 +122,11 @@ def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(hf_model):
     ours, theirs = [], []
     for out in outs:
         n = len(out.prompt_token_ids)
-        ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+        ids = torch.tensor([out.prompt_token_ids + out.token_ids], device=device)
         with torch.no_grad():
-            ref = torch.log_softmax(hf_model(ids).logits[0, n - 1 : n - 1 + NEW_TOKENS].float(), -1)
-            r16 = torch.log_softmax(hf16(ids).logits[0, n - 1 : n - 1 + NEW_TOKENS].float(), -1)
+            rows = slice(n - 1, n - 1 + NEW_TOKENS)
+            ref = torch.log_softmax(hf_model(ids).logits[0, rows].float(), -1).cpu()
+            r16 = torch.log_softmax(hf16(ids).logits[0, rows].float(), -1).cpu()
         for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             assert ref[step].max() - ref[step, token] < 0.25, (out.text, step)
             top = [t for t, _ in lp.top]

@@ -1,12 +1,16 @@
-"""Our engine against Hugging Face transformers on small random-weight models of every variant."""
+"""Our engine against Hugging Face transformers on small random-weight models of every variant,
+on the CPU and (marked gpu) on CUDA, transformers running on the same device."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig
+from tests.gpu import DEVICES
 
 PROMPTS = [
     [1, 5, 9, 200, 33],
@@ -22,7 +26,7 @@ def hf_greedy(model, prompt: list[int], n: int):
     with torch.no_grad():
         # eos_token_id=None: exactly n tokens, like ignore_eos (min_new_tokens would mask eos in the scores).
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=model.device),
             max_new_tokens=n,
             do_sample=False,
             eos_token_id=None,
@@ -31,16 +35,28 @@ def hf_greedy(model, prompt: list[int], n: int):
             pad_token_id=0,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.logits]
+    logprobs = [torch.log_softmax(s[0].float(), -1).cpu() for s in out.logits]
     return tokens, logprobs
 
 
+def on_device(hf, device: str):
+    """The fixture's transformers model on ``device`` (a copy: the fixture's stays on the CPU)."""
+    return hf if device == "cpu" else copy.deepcopy(hf).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "kind", ["gqa_untied", "mha_tied", "qwen2_qkv_bias", "llama_bias", "llama3_rope_scaling"]
 )
-def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, kind):
+def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, kind, device):
     folder, hf = tiny_model(kind)
-    llm = LLM(str(folder), dtype="float32", cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+    hf = on_device(hf, device)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device=device,
+        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate(PROMPTS, params)  # all prompts batched together
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -67,10 +83,15 @@ def test_long_context_exercises_rope_scaling(tiny_model):
     assert out.token_ids == hf_greedy(hf, prompt, 16)[0]
 
 
-def test_bf16_stays_close_to_fp32(tiny_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_stays_close_to_fp32(tiny_model, device):
     folder, hf = tiny_model("gqa_untied")
+    hf = on_device(hf, device)
     llm = LLM(
-        str(folder), dtype="bfloat16", cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22)
+        str(folder),
+        dtype="bfloat16",
+        device=device,
+        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
     )
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
     _, ref_lps = hf_greedy(hf, PROMPTS[1], 1)
