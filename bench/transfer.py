@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/transfer.py [--tokens 512] [--reps 9] [--dtype float32 bfloat16]
                                        [--ids random|allocator|runs:N] [--mode pool framed wire]
+                                       [--devices cpu-cpu gpu-gpu gpu-cpu cpu-gpu]
 
 Shapes default to the default model (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block 16).
 Measurements per dtype (``--mode``), over UCX between two processes on loopback:
@@ -21,6 +22,10 @@ worst case, every block its own copy: always framed) or ``runs:N`` (N runs at ra
 receiver's transfer completing (CLOCK_MONOTONIC is shared by processes on one host); bytes count
 payload and headers (256 bytes per framed message; plan and trailer of a direct transfer).
 Prints the median and range over ``--reps`` transfers after ``--warmup``.
+
+``--devices``: where each side's pools and transport are, sender-receiver (``gpu``: CUDA
+memory, each transport made for its device as the workers make it). With a GPU receiver the
+clock stops once its device has finished the landing copies.
 
 ``--serving N`` measures the workers instead (the default model, bf16): N prompts of ``--tokens``
 random tokens through a prefill and a decode worker, one core each; per transfer the prefill
@@ -78,14 +83,19 @@ def _receiver(
     num_blocks: int,
     pool: int,
     args: argparse.Namespace,
+    device: str,
 ) -> None:
     torch.set_num_threads(1)
+    shape = (pool, *layout.block_shape)
     k_pools = [
-        torch.zeros(pool, *layout.block_shape, dtype=layout.dtype) for _ in range(layout.num_layers)
+        torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
     ]
     v_pools = [torch.zeros_like(p) for p in k_pools]
     options = dict(
-        recv_window=args.recv_window, ucx_options=args.ucx_options, max_segments=args.max_segments
+        recv_window=args.recv_window,
+        ucx_options=args.ucx_options,
+        max_segments=args.max_segments,
+        device=device,
     )
     with create_transport("ucx", layout, **options) as transport:
         conn.send(transport.address())
@@ -109,10 +119,15 @@ def _receiver(
             conn.send(("ready", ids.tolist()))
             stats = transfer.wait()
             landed[1].wait(30.0)
+            if device != "cpu":  # the landing copies were queued on the device: wait for them
+                torch.cuda.synchronize(device)
+                landed[0] = time.monotonic()
             conn.send((landed[0], stats.nbytes, time.process_time() - cpu))
 
 
-def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
+def run(
+    dtype: str, mode: str, args: argparse.Namespace, src: str = "cpu", dst: str = "cpu"
+) -> None:
     layout = KVLayout(
         "bench", getattr(torch, dtype), args.block_size, args.layers, args.kv_heads, args.head_dim
     )
@@ -122,25 +137,28 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_receiver,
-        args=(child, layout, num_blocks, pool, args),
+        args=(child, layout, num_blocks, pool, args, dst),
         daemon=True,
     )
     proc.start()
     k_pools = [
-        torch.randn(pool, *layout.block_shape).to(layout.dtype) for _ in range(layout.num_layers)
+        torch.randn(pool, *layout.block_shape).to(src, layout.dtype)
+        for _ in range(layout.num_layers)
     ]
     v_pools = [torch.randn_like(t) for t in k_pools]
     seconds, nbytes, cpu_tx, cpu_rx, post_t = [], 0, [], [], []
     try:
-        options = dict(ucx_options=args.ucx_options, max_segments=args.max_segments)
+        options = dict(ucx_options=args.ucx_options, max_segments=args.max_segments, device=src)
         with create_transport("ucx", layout, **options) as transport:
             peer = transport.connect(parent.recv())
             for rep in range(args.warmup + args.reps):
                 parent.send((rep, mode != "wire"))
-                _, dst = parent.recv()
-                ids = _block_ids(pool, num_blocks, args.ids)
-                dst = dst if mode == "pool" else None
-                tx = transport.start_send(peer, rep, num_blocks, timeout=30.0, dst_block_ids=dst)
+                _, dst_ids = parent.recv()
+                ids = _block_ids(pool, num_blocks, args.ids).to(src)  # where the engine has them
+                dst_ids = dst_ids if mode == "pool" else None
+                tx = transport.start_send(
+                    peer, rep, num_blocks, timeout=30.0, dst_block_ids=dst_ids
+                )
                 gathered = []
                 if mode == "wire":
                     for layer in range(layout.num_layers):
@@ -172,7 +190,8 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
             proc.kill()
     med = statistics.median(seconds)
     print(
-        f"ucx {mode:6s} {dtype:8s} {args.ids} ids, {args.tokens} tokens x {layout.num_layers} layers: "
+        f"ucx {mode:6s} {dtype:8s} {_label(src)}->{_label(dst)} {args.ids} ids, "
+        f"{args.tokens} tokens x {layout.num_layers} layers: "
         f"{nbytes} bytes, median {med * 1e3:.2f} ms = {nbytes / med / 1e9:.2f} GB/s "
         f"(range {nbytes / max(seconds) / 1e9:.2f}-{nbytes / min(seconds) / 1e9:.2f} GB/s, "
         f"{len(seconds)} transfers; CPU per transfer: sender {statistics.median(cpu_tx) * 1e3:.1f} ms, "
@@ -180,6 +199,19 @@ def run(dtype: str, mode: str, args: argparse.Namespace) -> None:
         f"{statistics.median(post_t) * 1e3:.2f} ms)",
         flush=True,
     )
+
+
+def _label(device: str) -> str:
+    return "cpu" if device == "cpu" else "gpu"
+
+
+def _devices(pair: str) -> tuple[str, str]:
+    """``gpu-cpu`` -> ("cuda", "cpu"): sender's and receiver's devices."""
+    names = {"cpu": "cpu", "gpu": "cuda"}
+    src, _, dst = pair.partition("-")
+    if src not in names or dst not in names:
+        raise argparse.ArgumentTypeError(f"{pair!r}: expected SENDER-RECEIVER of cpu and gpu")
+    return names[src], names[dst]
 
 
 def serving(args: argparse.Namespace) -> None:
@@ -274,6 +306,14 @@ def main() -> None:
         metavar="N",
         help="instead: N prompts through real prefill and decode workers (the model's own layout)",
     )
+    parser.add_argument(
+        "--devices",
+        nargs="+",
+        type=_devices,
+        default=[("cpu", "cpu")],
+        metavar="SENDER-RECEIVER",
+        help="where each side's pools are: cpu-cpu (default), gpu-gpu, gpu-cpu, cpu-gpu",
+    )
     parser.add_argument("--pool-factor", type=int, default=4, help="pool size / transfer size")
     parser.add_argument(
         "--max-segments", type=int, default=2, help="direct up to this many segments"
@@ -292,9 +332,10 @@ def main() -> None:
     if args.serving:
         serving(args)
         return
-    for dtype in args.dtype:
-        for mode in args.mode:
-            run(dtype, mode, args)
+    for src, dst in args.devices:
+        for dtype in args.dtype:
+            for mode in args.mode:
+                run(dtype, mode, args, src, dst)
 
 
 if __name__ == "__main__":
