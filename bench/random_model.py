@@ -1,0 +1,74 @@
+"""A Hugging Face model folder of random weights with a real model's shapes, for timing where the
+real weights cannot be had (a GPU machine that reaches no package index: scripts/gpu-check).
+
+    python bench/random_model.py OUT_DIR [--shape smollm2-135m|llama-1b]
+
+A decode step reads the same bytes and runs the same kernels whatever the weights hold, so step
+times and MBU measured on it are those of the real model; its tokens mean nothing (the folder has
+no tokenizer: benchmarks send token ids). Nothing here is a correctness reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+COMMON = dict(
+    model_type="llama",
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=True,
+)
+SHAPES = {
+    # the default model, SmolLM2-135M-Instruct (its config.json)
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+    ),
+    # Llama 3.2 1B's shapes (without its rope scaling): big enough that a batch-1 step is bound by
+    # reading the weights rather than by launching kernels
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+}
+
+
+def write_random_model(out: str, shape: str) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(**COMMON, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    args = parser.parse_args()
+    write_random_model(args.out, args.shape)
+
+
+if __name__ == "__main__":
+    main()
