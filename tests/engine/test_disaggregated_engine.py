@@ -12,9 +12,9 @@ from pdserve.sampling_params import SamplingParams
 PROMPTS = [[1, 5, 9, 200, 33, 7, 8, 9, 10], [1] + list(range(40, 77)), [7] * 20]
 
 
-def engine(folder, kv_bytes=1 << 22, block_size=4, prefix_caching=True):
+def engine(folder, kv_bytes=1 << 22, block_size=4, prefix_caching=True, device="cpu"):
     cache = CacheConfig(block_size, kv_bytes, enable_prefix_caching=prefix_caching)
-    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=cache))
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", device=device, cache=cache))
 
 
 def run_all(e: LLMEngine) -> dict[str, list[int]]:
