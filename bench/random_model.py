@@ -23,40 +23,31 @@ COMMON = dict(
     attention_bias=False,
     mlp_bias=False,
     tie_word_embeddings=True,
+    head_dim=64,
+    max_position_embeddings=8192,
+)
+FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "rope_theta",
 )
 SHAPES = {
     # the default model, SmolLM2-135M-Instruct (its config.json)
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-    ),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 100000.0),
     # Llama 3.2 1B's shapes (without its rope scaling): big enough that a batch-1 step is bound by
     # reading the weights rather than by launching kernels
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-    ),
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
 }
 
 
 def write_random_model(out: str, shape: str) -> None:
     import transformers
 
-    config = transformers.LlamaConfig(**COMMON, **SHAPES[shape])
+    config = transformers.LlamaConfig(**COMMON, **dict(zip(FIELDS, SHAPES[shape], strict=True)))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)

@@ -11,7 +11,7 @@ from pdserve.services.main import WorkerOptions, _transport_options, kv_layout
 from pdserve.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import PoolDestination, create_transport
-from tests.engine.test_disaggregated_engine import PROMPTS, engine, run_all
+from tests.engine.test_disaggregated_engine import PROMPTS, engine, one_engine, run_all
 from tests.gpu import DEVICE_PAIRS
 
 TIMEOUT_S = 30.0
@@ -28,10 +28,7 @@ def transport_for(role: str, folder, device: str, layout):
 def test_kv_over_ucx_between_devices_decodes_like_one_engine(tiny_model, src, dst):
     folder, _ = tiny_model("gqa_untied")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    whole = engine(folder)
-    for i, p in enumerate(PROMPTS):
-        whole.add_request(p, params, request_id=str(i))
-    expected = run_all(whole)
+    expected = one_engine(folder, params)
 
     prefill, decode = engine(folder, device=src), engine(folder, device=dst)
     layout = kv_layout(prefill, "tiny")

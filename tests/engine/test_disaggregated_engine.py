@@ -45,13 +45,18 @@ class CopySender:
         self.token = token_id
 
 
-def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
-    folder, _ = tiny_model("gqa_untied")
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+def one_engine(folder, params: SamplingParams) -> dict[str, list[int]]:
+    """Every prompt's tokens from one engine: what a disaggregated pair must produce."""
     whole = engine(folder)
     for i, p in enumerate(PROMPTS):
         whole.add_request(p, params, request_id=str(i))
-    expected = run_all(whole)
+    return run_all(whole)
+
+
+def test_layerwise_shipped_kv_decodes_like_one_engine(tiny_model):
+    folder, _ = tiny_model("gqa_untied")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = one_engine(folder, params)
 
     prefill, decode = engine(folder), engine(folder)
     landings = {str(i): decode.reserve_request(p, params, str(i)) for i, p in enumerate(PROMPTS)}

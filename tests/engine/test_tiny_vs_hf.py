@@ -39,9 +39,17 @@ def hf_greedy(model, prompt: list[int], n: int):
     return tokens, logprobs
 
 
-def on_device(hf, device: str):
-    """The fixture's transformers model on ``device`` (a copy: the fixture's stays on the CPU)."""
-    return hf if device == "cpu" else copy.deepcopy(hf).to(device)
+def llm_and_hf(tiny_model, kind: str, dtype: str, device: str):
+    """Our engine on ``device`` and the fixture's transformers model there (a copy: the
+    fixture's stays on the CPU), both of the ``kind`` tiny model."""
+    folder, hf = tiny_model(kind)
+    llm = LLM(
+        str(folder),
+        dtype=dtype,
+        device=device,
+        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
+    )
+    return llm, hf if device == "cpu" else copy.deepcopy(hf).to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,14 +57,7 @@ def on_device(hf, device: str):
     "kind", ["gqa_untied", "mha_tied", "qwen2_qkv_bias", "llama_bias", "llama3_rope_scaling"]
 )
 def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, kind, device):
-    folder, hf = tiny_model(kind)
-    hf = on_device(hf, device)
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        device=device,
-        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
-    )
+    llm, hf = llm_and_hf(tiny_model, kind, "float32", device)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate(PROMPTS, params)  # all prompts batched together
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -85,14 +86,7 @@ def test_long_context_exercises_rope_scaling(tiny_model):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_stays_close_to_fp32(tiny_model, device):
-    folder, hf = tiny_model("gqa_untied")
-    hf = on_device(hf, device)
-    llm = LLM(
-        str(folder),
-        dtype="bfloat16",
-        device=device,
-        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
-    )
+    llm, hf = llm_and_hf(tiny_model, "gqa_untied", "bfloat16", device)
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
     _, ref_lps = hf_greedy(hf, PROMPTS[1], 1)
     ours = dict(out.logprobs[0].top)
