@@ -1,20 +1,20 @@
 """Memory-bandwidth utilisation (MBU) of decode on a GPU, for ``pdserve bench offline --device cuda``.
 
 A decode step at small batch is bound by memory: it reads every weight once and each sequence's
-KV. MBU = bytes a step reads / step time / the device's bandwidth, where the bandwidth is what a
-large device-to-device copy reaches here (bytes read plus bytes written), measured on the spot
-rather than taken from a data sheet. The bytes counted per step:
-
-    weights (each tensor once, as the engine holds them)
-  + batch x mean context x KV bytes per token (K and V, every layer)
-
-with the mean context of the timed steps taken as prompt_len + output_len / 2. Activations,
-logits and the block tables are left out (well under 1% at this model's sizes).
+KV. MBU = bytes a step reads / step time / the device's bandwidth, the median over the steps in
+which the whole batch decodes. The bytes are the roofline's (pdserve/roofline.py: the weights as
+stored, each once, plus every context token's K and V that the step reads). The bandwidth is
+what a large device-to-device copy reaches here, bytes read plus written, measured on the spot
+rather than taken from a data sheet (the roofline's own bandwidth is a read-only figure).
 """
 
 from __future__ import annotations
 
+import statistics
+
 import torch
+
+from pdserve.roofline import Roofline, StepWork
 
 COPY_BYTES = 1 << 30  # large enough that launch overhead is noise, small enough for any GPU
 COPY_REPEATS = 20
@@ -35,28 +35,23 @@ def device_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes * COPY_REPEATS / seconds
 
 
-def kv_bytes_per_token(engine) -> int:
-    cfg = engine.model_config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+def mbu(rl: Roofline, steps: list[tuple[StepWork, float]], bandwidth: float) -> float:
+    """The median over ``steps`` (each one's work and seconds) of bytes read / seconds /
+    ``bandwidth``; 0.0 without steps."""
+    if not steps:
+        return 0.0
+    return statistics.median(rl.bytes(work) / seconds / bandwidth for work, seconds in steps)
 
 
-def decode_bytes_per_step(engine, batch: int, context_tokens: float) -> int:
-    """What one decode step of ``batch`` sequences of ``context_tokens`` each reads."""
-    return engine.runner.weight_bytes() + int(batch * context_tokens * kv_bytes_per_token(engine))
-
-
-def add_mbu(result: dict, engine) -> float:
-    """Add ``bytes_per_step`` and ``mbu`` to each of ``result['decode']`` (``bench_offline``'s
-    rows, with their median step time) and the measured bandwidth to ``result``; returns it."""
-    bandwidth = device_bandwidth(engine.runner.device)
-    result["device_bandwidth_gbps"] = bandwidth / 1e9
-    context = result["prompt_len"] + result["output_len"] / 2
+def add_mbu(
+    result: dict, rl: Roofline, steps: dict[int, list[tuple[StepWork, float]]], device
+) -> None:
+    """``mbu`` of each row of ``result['decode']`` (bench_offline's, ``steps`` by batch size)
+    at the bandwidth measured now on ``device``, which goes into ``result`` too."""
+    bandwidth = device_bandwidth(device)
+    result["device_copy_bandwidth_gbps"] = bandwidth / 1e9
     for row in result["decode"]:
-        nbytes = decode_bytes_per_step(engine, row["batch"], context)
-        step_s = row["step_ms_median"] / 1e3
-        row["bytes_per_step"] = nbytes
-        row["mbu"] = nbytes / step_s / bandwidth if step_s else 0.0
-    return bandwidth
+        row["mbu"] = mbu(rl, steps[row["batch"]], bandwidth)
 
 
 def gpu_description(device: torch.device) -> str:

@@ -316,7 +316,7 @@ def run_offline_bench(args) -> dict:
     if engine.runner.device.type == "cuda":
         from pdserve.bench_gpu import add_mbu
 
-        add_mbu(result, engine)
+        add_mbu(result, rl, steps, engine.runner.device)
     print(f"machine: {result['machine']}")
     print(
         f"model: {args.model} ({result['dtype']}, weights {args.quantization}, "
@@ -333,10 +333,10 @@ def run_offline_bench(args) -> dict:
             f"step {d['step_ms_median']:.2f} ms (median of {d['decode_steps']}){mbu}; all decode "
             f"steps {d['all_decode_tokens_per_s']:.1f} tokens/s"
         )
-    if "device_bandwidth_gbps" in result:
+    if "device_copy_bandwidth_gbps" in result:
         print(
             f"MBU: bytes read per step (weights + KV) / step time / "
-            f"{result['device_bandwidth_gbps']:.0f} GB/s (a device-to-device copy here)"
+            f"{result['device_copy_bandwidth_gbps']:.0f} GB/s (a device-to-device copy here)"
         )
     print_roofline(result)
     if "hf" in result:

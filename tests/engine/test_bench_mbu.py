@@ -1,30 +1,36 @@
-"""What ``pdserve bench offline --device cuda`` counts as a decode step's bytes (pdserve/bench_gpu.py):
-the weights the engine holds and, per token of context, the KV that its pools store. The
-bandwidth and the MBU itself need a GPU (scripts/gpu-check runs the benchmark)."""
+"""MBU as ``pdserve bench offline --device cuda`` reports it (pdserve/bench_gpu.py): each step's
+bytes (the roofline's: weights + the KV it reads) over its time and the device's bandwidth, the
+median over steps. The bandwidth itself needs a GPU (scripts/gpu-check runs the benchmark)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pdserve.bench_gpu import decode_bytes_per_step, kv_bytes_per_token
-from pdserve.config import CacheConfig, EngineConfig
-from pdserve.engine import LLMEngine
+from pdserve.bench_gpu import mbu
+from pdserve.roofline import MachineRates, ModelCost, Roofline, StepWork
+
+COST = ModelCost(
+    weight_bytes=1000,
+    layer_params=1,
+    lm_head_params=1,
+    kv_bytes_per_token=10,
+    attention_flops_per_pair=1,
+)
+ROOFLINE = Roofline(COST, MachineRates(bandwidth=1.0, gemm_flops=1.0))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step_bytes_are_the_weights_and_the_pools_bytes_per_token(tiny_model, dtype):
-    folder, hf = tiny_model("gqa_untied")
-    engine = LLMEngine(
-        EngineConfig(model=str(folder), dtype=dtype, cache=CacheConfig(kv_cache_bytes=1 << 22))
+def step(kv_tokens: int) -> StepWork:
+    return StepWork(
+        num_tokens=1, num_sampled=1, num_kv_tokens_read=kv_tokens, num_attention_pairs=1
     )
-    pools = engine.runner.pool
-    pool_bytes = sum(k.nbytes + v.nbytes for k, v in pools.kv_caches)
-    per_token = pool_bytes // (pools.num_blocks * pools.block_size)
-    assert kv_bytes_per_token(engine) == per_token
-    itemsize = torch.tensor([], dtype=engine.dtype).element_size()
-    # every tensor once, less the untied embedding table (a step reads only its looked-up rows)
-    read = [p for name, p in hf.named_parameters() if name != "model.embed_tokens.weight"]
-    weights = sum(p.numel() for p in read) * itemsize
-    assert decode_bytes_per_step(engine, 1, 0) == weights
-    assert decode_bytes_per_step(engine, 4, 100) == weights + 4 * 100 * per_token
+
+
+def test_mbu_is_the_median_steps_bytes_over_time_and_bandwidth():
+    # 1000 + 10 x 100 = 2000 bytes in 1 ms, 2500 bytes in 2 ms, 3000 bytes in 1 ms, at 4 MB/s:
+    # 0.5, 0.3125 and 0.75 of it; the median is 0.5
+    steps = [(step(100), 1e-3), (step(150), 2e-3), (step(200), 1e-3)]
+    assert mbu(ROOFLINE, steps, bandwidth=4e6) == pytest.approx(0.5)
+
+
+def test_no_steps_is_zero():
+    assert mbu(ROOFLINE, [], bandwidth=4e6) == 0.0
