@@ -7,16 +7,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench_gpu import mbu
-from pdserve.roofline import MachineRates, ModelCost, Roofline, StepWork
+from pdserve.roofline import Roofline, StepWork
+from tests.engine.test_roofline import COST, RATES
 
-COST = ModelCost(
-    weight_bytes=1000,
-    layer_params=1,
-    lm_head_params=1,
-    kv_bytes_per_token=10,
-    attention_flops_per_pair=1,
-)
-ROOFLINE = Roofline(COST, MachineRates(bandwidth=1.0, gemm_flops=1.0))
+ROOFLINE = Roofline(COST, RATES)  # 1 MB of weights, 1 kB of KV per token
 
 
 def step(kv_tokens: int) -> StepWork:
@@ -26,11 +20,11 @@ def step(kv_tokens: int) -> StepWork:
 
 
 def test_mbu_is_the_median_steps_bytes_over_time_and_bandwidth():
-    # 1000 + 10 x 100 = 2000 bytes in 1 ms, 2500 bytes in 2 ms, 3000 bytes in 1 ms, at 4 MB/s:
-    # 0.5, 0.3125 and 0.75 of it; the median is 0.5
-    steps = [(step(100), 1e-3), (step(150), 2e-3), (step(200), 1e-3)]
-    assert mbu(ROOFLINE, steps, bandwidth=4e6) == pytest.approx(0.5)
+    # 1 MB + 1000 x 1 kB = 2 MB in 1 ms, 2.5 MB in 2 ms, 3 MB in 1 ms, at 4 GB/s: 0.5, 0.3125
+    # and 0.75 of it; the median is 0.5
+    steps = [(step(1000), 1e-3), (step(1500), 2e-3), (step(2000), 1e-3)]
+    assert mbu(ROOFLINE, steps, bandwidth=4e9) == pytest.approx(0.5)
 
 
 def test_no_steps_is_zero():
-    assert mbu(ROOFLINE, [], bandwidth=4e6) == 0.0
+    assert mbu(ROOFLINE, [], bandwidth=4e9) == 0.0
