@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
+        self.prefill_token_s = 0.0  # measured by step(); 0 until a prompt was computed
+        self._prefill_avg = [0.0, 0.0]  # seconds, tokens
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(
@@ -208,13 +211,28 @@ class LLMEngine:
         if not batch:
             return []
         on_layer = self.kv_out.on_layer if self.kv_out else None
+        started = time.perf_counter()
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
+        if batch.prefills:
+            self._measure_prefill(batch.num_tokens, time.perf_counter() - started)
         self.scheduler.postprocess(batch)
         if self.kv_out:
             self.kv_out.end_step(seqs, tokens)
         return [
             self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
         ]
+
+    def _measure_prefill(self, num_tokens: int, seconds: float) -> None:
+        """``prefill_token_s``: seconds per token of steps that computed prompts (what gateways
+        estimate prefill times with), as exponential averages of seconds over tokens, so that
+        long steps weigh more than short ones, whose fixed cost per step would dominate."""
+        avg = self._prefill_avg
+        if avg[1] == 0:
+            avg[:] = [seconds, num_tokens]
+        else:
+            avg[0] += 0.2 * (seconds - avg[0])
+            avg[1] += 0.2 * (num_tokens - avg[1])
+        self.prefill_token_s = avg[0] / avg[1]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.output_token_ids.append(token)

@@ -51,6 +51,7 @@ def gateway_config(args) -> GatewayConfig:
         probe_timeout_s=args.probe_timeout,
         real_probe_timeout_s=args.real_probe_timeout,
         engine_timeout_s=args.engine_timeout,
+        affinity_slack_s=args.affinity_slack,
     )
 
 
@@ -176,7 +177,17 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
     _http_arg(gw)
-    gw.add_argument("--policy", default=GatewayConfig.policy, help="round_robin or least_loaded")
+    gw.add_argument(
+        "--policy",
+        default=GatewayConfig.policy,
+        help="round_robin, least_loaded, or cost (by the workers' reported load and prefix caches)",
+    )
+    gw.add_argument(
+        "--affinity-slack",
+        type=float,
+        default=GatewayConfig.affinity_slack_s,
+        help="policy cost: seconds a request's affinity-key worker may be slower than the cheapest",
+    )
     gw.add_argument(
         "--lease",
         type=float,

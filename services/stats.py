@@ -5,9 +5,29 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.engine import LLMEngine
+from pdserve.kv_cache.prefix_summary import PrefixSummary
 from pdserve.v1 import worker_pb2
 
 
 def worker_stats(engine: LLMEngine) -> worker_pb2.WorkerStats:
     """The engine's counts (``LLMEngine.stats``) as the Stats RPC's message."""
     return worker_pb2.WorkerStats(**dataclasses.asdict(engine.stats()))
+
+
+def heartbeat_stats(engine: LLMEngine) -> worker_pb2.WorkerStats:
+    """``worker_stats`` and what the gateways route by: the prompt work queued here in seconds,
+    the measured seconds per prompt token, and a summary of the prefix cache. Read on the event
+    loop while the engine thread runs (each part from a copy taken in one C-level call)."""
+    stats = worker_stats(engine)
+    token_s = engine.prefill_token_s
+    stats.prefill_token_s = token_s
+    stats.prefill_queue_s = engine.scheduler.num_prompt_tokens_to_compute() * token_s
+    summary = PrefixSummary.build(engine.scheduler.block_size, engine.allocator.cached_hashes())
+    stats.prefix_summary.CopyFrom(summary_to_proto(summary))
+    return stats
+
+
+def summary_to_proto(s: PrefixSummary) -> worker_pb2.PrefixSummary:
+    return worker_pb2.PrefixSummary(
+        block_size=s.block_size, num_hashes=s.num_hashes, num_probes=s.num_probes, bloom=s.bloom
+    )

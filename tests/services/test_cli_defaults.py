@@ -27,7 +27,8 @@ def test_gateway_options_reach_the_config():
         "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 --max-resumes 2 "
         "--queue-timeout 9 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
         "--suspect-after 2 --probe-timeout 0.25 --real-probe-timeout 1.5 "
-        "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25".split()
+        "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25 "
+        "--affinity-slack 2".split()
     )
     assert serve_cli.gateway_config(args) == GatewayConfig(
         policy="round_robin",
@@ -45,6 +46,7 @@ def test_gateway_options_reach_the_config():
         probe_timeout_s=0.25,
         real_probe_timeout_s=1.5,
         engine_timeout_s=12.0,
+        affinity_slack_s=2.0,
     )
 
 
@@ -90,6 +92,7 @@ def test_every_gateway_config_field_has_an_option():
         "probe_timeout",
         "real_probe_timeout",
         "engine_timeout",
+        "affinity_slack",
     }
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))
