@@ -13,7 +13,8 @@ gateway's own requests in flight, as ``least_loaded`` does.
     decode worker:   (blocks for the request not free, sequences running and waiting, -free blocks)
 
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
-among the prompts this gateway sent there in the last two heartbeat periods (not in a filter yet).
+among the prompts this gateway had prefilled there in the last two heartbeat periods (maybe not
+in a filter yet).
 """
 
 from __future__ import annotations
@@ -45,29 +46,24 @@ def summary_from_proto(m: worker_pb2.PrefixSummary) -> PrefixSummary | None:
 
 @dataclass(frozen=True)
 class Report:
-    """A worker's heartbeat stats as this gateway received them at ``at`` (time.monotonic())."""
+    """A worker's heartbeat stats as this gateway received them at ``at`` (time.monotonic()),
+    its prefix summary parsed."""
 
     at: float
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    queue_s: float = 0.0
-    token_s: float = 0.0
+    stats: worker_pb2.WorkerStats
     summary: PrefixSummary | None = None
 
     @classmethod
     def from_proto(cls, stats: worker_pb2.WorkerStats, at: float) -> Report:
-        return cls(
-            at,
-            stats.num_running,
-            stats.num_waiting,
-            stats.num_free_blocks,
-            stats.num_total_blocks,
-            max(stats.prefill_queue_s, 0.0),
-            max(stats.prefill_token_s, 0.0),
-            summary_from_proto(stats.prefix_summary),
-        )
+        return cls(at, stats, summary_from_proto(stats.prefix_summary))
+
+    @property
+    def queue_s(self) -> float:
+        return max(self.stats.prefill_queue_s, 0.0)
+
+    @property
+    def token_s(self) -> float:
+        return max(self.stats.prefill_token_s, 0.0)
 
 
 @dataclass
@@ -108,15 +104,15 @@ def typical_token_s(pool: list[Worker], now: float, stale_s: float) -> float:
 
 
 def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
-    """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or sent
-    there by this gateway lately."""
+    """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or
+    prefilled there for this gateway lately."""
     summary = r.summary if r is not None else None
     block_size = summary.block_size if summary is not None else w.recent_block_size
     if not block_size:
         return 0
     n = 0
     for h in job.hashes(block_size):
-        if not ((summary is not None and h in summary) or w.sent_recently(h)):
+        if not ((summary is not None and h in summary) or w.cached_recently(h)):
             break
         n += 1
     return n * block_size
@@ -146,8 +142,8 @@ def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, i
     if r is None:
         return (0, len(w.calls), 0)
     needed = request_blocks(w, len(job.prompt_ids) + job.max_tokens)
-    free = r.num_free_blocks - w.unreported_blocks
-    seqs = r.num_running + r.num_waiting + w.unreported_requests
+    free = r.stats.num_free_blocks - w.unreported_blocks
+    seqs = r.stats.num_running + r.stats.num_waiting + w.unreported_requests
     return (int(free < needed), seqs, -free)
 
 

@@ -356,7 +356,6 @@ class Gateway:
         worker.local_prefill_tokens += len(ids)  # until its first token
         blocks = costs.request_blocks(worker, cost)
         sent_at = worker.sent(len(ids), blocks)
-        _prompt_sent(worker, job)
         prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.track(call)
@@ -365,6 +364,7 @@ class Gateway:
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
+                    _prompt_cached(worker, job)
                 c = msg.tokens
                 yield (
                     list(c.token_ids),
@@ -391,7 +391,6 @@ class Gateway:
         blocks = costs.request_blocks(decode, cost)
         decode_sent_at = decode.sent(0, blocks)
         prefill_sent_at = prefill.sent(len(ids))
-        _prompt_sent(prefill, job)
         call = decode.stub.Generate(
             worker_pb2.DecodeRequest(
                 request_id=rid,
@@ -425,6 +424,7 @@ class Gateway:
             try:
                 resp = await prefill_call
                 prefill.progressed()
+                _prompt_cached(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
@@ -457,10 +457,12 @@ class Gateway:
             await self._released()
 
 
-def _prompt_sent(worker: Worker, job: Job) -> None:
-    """The prompt is prefilled on ``worker``: its blocks are cached there from now on."""
+def _prompt_cached(worker: Worker, job: Job) -> None:
+    """The prompt has been prefilled on ``worker``: its blocks are cached there from now on (not
+    before: a prompt sharing its prefix that arrives while it computes computes the prefix too,
+    so it is no cheaper there)."""
     block_size = costs.block_size(worker)
-    worker.prompt_sent(job.hashes(block_size), block_size)
+    worker.prompt_cached(job.hashes(block_size), block_size)
 
 
 class _WorkerFailed(Exception):

@@ -41,7 +41,7 @@ def test_a_repeated_prefix_lands_on_the_prefill_worker_that_holds_it(cluster):
         )
         assert held.report.summary.hit_blocks(hashes) == 12
         assert cold.report.summary is None or cold.report.summary.hit_blocks(hashes) == 0
-        assert not held.sent_recently(hashes[0])
+        assert not held.cached_recently(hashes[0])
         for i in range(4):
             out = client.complete([*PREFIX, 20 + i, 21], SHORT)
             assert (len(out.token_ids), out.finish_reason) == (4, "length")

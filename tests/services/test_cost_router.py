@@ -126,13 +126,13 @@ def test_a_report_ages_and_a_stale_one_is_not_used(channel):
     assert pick(router, [a, b], chat(1)) == "prefill-b"
 
 
-def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel):
+def test_a_prompt_prefilled_lately_counts_as_cached_before_any_report_says_so(channel):
     a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
     a.reported(report())
     b.reported(report())
     router = Router("cost", stale_s=STALE_S)
     first = chat(0)
-    a.prompt_sent(first.hashes(16), 16)
+    a.prompt_cached(first.hashes(16), 16)
     assert pick(router, [a, b], chat(1)) == "prefill-a"  # the system prompt's 37 blocks
     a.reported(report())  # one report later it is still remembered...
     assert pick(router, [a, b], chat(1)) == "prefill-a"
