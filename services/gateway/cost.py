@@ -158,6 +158,14 @@ def request_blocks(w: Worker, num_tokens: int) -> int:
     return -(-num_tokens // block_size(w))
 
 
+def prompt_prefilled(worker: Worker, job: Job) -> None:
+    """The prompt has been prefilled on ``worker``: its blocks are cached there from now on (not
+    before: a prompt sharing its prefix that arrives while it computes computes the prefix too,
+    so it is no cheaper there)."""
+    size = block_size(worker)
+    worker.prompt_cached(job.hashes(size), size)
+
+
 def rendezvous(key: str, worker_id: str) -> int:
     """Highest-random-weight hashing: a key's worker stays the same while it is a candidate, and
     only the keys of a worker that leaves move."""

@@ -364,7 +364,7 @@ class Gateway:
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
-                    _prompt_cached(worker, job)
+                    costs.prompt_prefilled(worker, job)
                 c = msg.tokens
                 yield (
                     list(c.token_ids),
@@ -424,7 +424,7 @@ class Gateway:
             try:
                 resp = await prefill_call
                 prefill.progressed()
-                _prompt_cached(prefill, job)
+                costs.prompt_prefilled(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
@@ -455,14 +455,6 @@ class Gateway:
                 prefill.done(prefill_sent_at, len(ids))
             call.cancel()
             await self._released()
-
-
-def _prompt_cached(worker: Worker, job: Job) -> None:
-    """The prompt has been prefilled on ``worker``: its blocks are cached there from now on (not
-    before: a prompt sharing its prefix that arrives while it computes computes the prefix too,
-    so it is no cheaper there)."""
-    block_size = costs.block_size(worker)
-    worker.prompt_cached(job.hashes(block_size), block_size)
 
 
 class _WorkerFailed(Exception):
