@@ -55,9 +55,12 @@ class Client:
         prompt: str | list[int] | list[dict[str, str]],
         params: SamplingParams | None,
         request_id: str = "",
+        affinity_key: str = "",
     ) -> generation_pb2.GenerateRequest:
         req = generation_pb2.GenerateRequest(
-            sampling=sampling_to_proto(params or SamplingParams()), request_id=request_id
+            sampling=sampling_to_proto(params or SamplingParams()),
+            request_id=request_id,
+            affinity_key=affinity_key,
         )
         if isinstance(prompt, str):
             req.text = prompt
@@ -75,12 +78,14 @@ class Client:
         params: SamplingParams | None = None,
         request_id: str = "",
         metadata: tuple[tuple[str, str], ...] = (),
+        affinity_key: str = "",
     ) -> Iterator[generation_pb2.GenerateResponse]:
         """Streamed deltas; prompt is text (raw), token ids, or chat messages [{"role", "content"}].
         ``metadata`` goes with the call, e.g. ``(("traceparent", "00-<trace>-<span>-01"),)`` to make
-        the request part of the caller's trace."""
+        the request part of the caller's trace. ``affinity_key`` (a session, a user): requests
+        with the same key go to the same prefill worker (routing policy ``cost``)."""
         return self._stub.Generate(
-            self._request(prompt, params, request_id),
+            self._request(prompt, params, request_id, affinity_key),
             timeout=self.timeout,
             metadata=(*self._auth, *metadata),
         )
@@ -91,9 +96,10 @@ class Client:
         params: SamplingParams | None = None,
         request_id: str = "",
         metadata: tuple[tuple[str, str], ...] = (),
+        affinity_key: str = "",
     ) -> generation_pb2.CompleteResponse:
         return self._stub.Complete(
-            self._request(prompt, params, request_id),
+            self._request(prompt, params, request_id, affinity_key),
             timeout=self.timeout,
             metadata=(*self._auth, *metadata),
         )

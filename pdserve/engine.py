@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,6 +95,8 @@ class LLMEngine:
         self.last_step: StepWork | None = None  # the latest step's batch, counted (roofline.py)
         # told the number of tokens of each step once it is scheduled (EngineLoop's progress)
         self.on_schedule: Callable[[int], None] | None = None
+        self.prefill_token_s = 0.0  # measured by step(); 0 until a prompt was computed
+        self._prefill_avg = [0.0, 0.0]  # seconds, tokens
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(
@@ -239,13 +242,28 @@ class LLMEngine:
         if self.on_schedule is not None:
             self.on_schedule(batch.num_tokens)
         on_layer = self.kv_out.on_layer if self.kv_out else None
+        started = time.perf_counter()
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
+        if batch.prefills:
+            self._measure_prefill(batch.num_tokens, time.perf_counter() - started)
         self.scheduler.postprocess(batch)
         if self.kv_out:
             self.kv_out.end_step(seqs, tokens)
         return [
             self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
         ]
+
+    def _measure_prefill(self, num_tokens: int, seconds: float) -> None:
+        """``prefill_token_s``: seconds per token of steps that computed prompts (what gateways
+        estimate prefill times with), as exponential averages of seconds over tokens, so that
+        long steps weigh more than short ones, whose fixed cost per step would dominate."""
+        avg = self._prefill_avg
+        if avg[1] == 0:
+            avg[:] = [seconds, num_tokens]
+        else:
+            avg[0] += 0.2 * (seconds - avg[0])
+            avg[1] += 0.2 * (num_tokens - avg[1])
+        self.prefill_token_s = avg[0] / avg[1]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.output_token_ids.append(token)

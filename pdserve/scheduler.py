@@ -118,6 +118,22 @@ class Scheduler:
             budget -= n
         return batch
 
+    def num_prompt_tokens_to_compute(self) -> int:
+        """Prompt tokens still to compute here: the rest of running prefills, and the prompts
+        waiting less their cached leading blocks. Read from another thread (heartbeats): works on
+        copies taken in one C-level call each."""
+        n = sum(
+            s.num_prompt_tokens - s.num_computed_tokens for s in tuple(self.running) if s.in_prefill
+        )
+        for seq in tuple(self.waiting):
+            hits = 0
+            for block_hash in seq.block_hashes[: (seq.num_prompt_tokens - 1) // self.block_size]:
+                if self.allocator.lookup(block_hash) is None:
+                    break
+                hits += 1
+            n += seq.num_prompt_tokens - hits * self.block_size
+        return n
+
     def postprocess(self, batch: ScheduledBatch) -> None:
         """After the forward: advance computed counts and publish newly completed prompt blocks."""
         for seq, n in batch.prefills:

@@ -57,6 +57,7 @@ def gateway_config(args) -> GatewayConfig:
         engine_timeout_s=args.engine_timeout,
         stuck_step_floor_s=args.stuck_step_floor,
         stuck_step_factor=args.stuck_step_factor,
+        affinity_slack_s=args.affinity_slack,
     )
 
 
@@ -183,7 +184,17 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
     _http_arg(gw)
-    gw.add_argument("--policy", default=GatewayConfig.policy, help="round_robin or least_loaded")
+    gw.add_argument(
+        "--policy",
+        default=GatewayConfig.policy,
+        help="round_robin, least_loaded, or cost (by the workers' reported load and prefix caches)",
+    )
+    gw.add_argument(
+        "--affinity-slack",
+        type=float,
+        default=GatewayConfig.affinity_slack_s,
+        help="policy cost: seconds a request's affinity-key worker may be slower than the cheapest",
+    )
     gw.add_argument(
         "--lease",
         type=float,

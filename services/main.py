@@ -31,6 +31,7 @@ from pdserve.services.registration import (
     Registration,
     RegistrationRefusedError,
 )
+from pdserve.services.stats import heartbeat_stats
 
 from pdserve import rpc, telemetry, tls
 from pdserve.config import EngineConfig
@@ -224,6 +225,7 @@ class WorkerServer:
                     layout,
                     opts.tls,
                     opts.cluster_token,
+                    stats=lambda: heartbeat_stats(worker.loop),
                 )
             await served._check()  # registers: started means the gateway routes here now
             served.registration = asyncio.create_task(served._watch())

@@ -113,12 +113,13 @@ class GatewayLink:
         self.registered = True
         self.period = max(resp.lease_ms / 3000, 0.1)
 
-    async def heartbeat(self) -> None:
-        """Renew the lease; register when the gateway does not know this worker (its lease ran
-        out, the gateway restarted, or this is a gateway not registered with yet). A gateway that
-        does not answer is tried again next round."""
+    async def heartbeat(self, stats: worker_pb2.WorkerStats | None = None) -> None:
+        """Renew the lease, reporting ``stats`` (what the gateway routes by); register when the
+        gateway does not know this worker (its lease ran out, the gateway restarted, or this is a
+        gateway not registered with yet). A gateway that does not answer is tried again next
+        round."""
         try:
-            hb = worker_pb2.HeartbeatRequest(worker_id=self.reg.request.worker_id)
+            hb = worker_pb2.HeartbeatRequest(worker_id=self.reg.request.worker_id, stats=stats)
             timeout = self.reg.round_timeout
             resp = await self.stub.Heartbeat(hb, timeout=timeout, metadata=self.reg.metadata)
             if not resp.known:
@@ -141,7 +142,8 @@ class GatewayLink:
 
 class Registration:
     """Register with every gateway ``gateways`` names, then heartbeat all of them at a third of
-    the (shortest) lease, resolving the names again each round."""
+    the (shortest) lease, resolving the names again each round. ``stats``: what each heartbeat
+    reports (``services/stats.py heartbeat_stats``), taken once per round."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class Registration:
         tls_config: tls.TLSConfig | None = None,
         cluster_token: str | None = None,
         resolver: Resolver | None = None,
+        stats: Callable[[], worker_pb2.WorkerStats] | None = None,
     ) -> None:
         self.targets = parse_gateways(gateways)
         self.tls_config = tls_config
@@ -164,6 +167,7 @@ class Registration:
             layout=common_pb2.KVLayout(model=layout.model, compat_hash=layout.compat_hash),
         )
         self.resolver = resolver or resolve
+        self.stats = stats
         self.links: dict[str, GatewayLink] = {}  # by resolved address
         self._resolved: dict[tuple[str, int], list[str]] = {}  # the last good answer per target
 
@@ -226,8 +230,9 @@ class Registration:
     async def heartbeat(self) -> None:
         """One round: resolve, register with new gateways, heartbeat the others."""
         new = await self._refresh()
+        stats = self.stats() if self.stats is not None else None
         calls = [
-            link.register(self.round_timeout) if link in new else link.heartbeat()
+            link.register(self.round_timeout) if link in new else link.heartbeat(stats)
             for link in self.links.values()
         ]
         await self._each(calls)

@@ -126,6 +126,11 @@ class BlockAllocator:
         self._num_plain -= n
         return blocks
 
+    def cached_hashes(self) -> tuple[bytes, ...]:
+        """Every block hash cached now (used or free): one C-level copy, safe to take from
+        another thread while the engine runs."""
+        return tuple(self._block_of)
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding this hash, used or free, or None."""
         return self._block_of.get(block_hash)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xd1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xac\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xe7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x07 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xac\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=139
   _globals['_CHATMESSAGES']._serialized_end=196
   _globals['_GENERATEREQUEST']._serialized_start=199
-  _globals['_GENERATEREQUEST']._serialized_end=408
-  _globals['_USAGE']._serialized_start=410
-  _globals['_USAGE']._serialized_end=497
-  _globals['_GENERATERESPONSE']._serialized_start=500
-  _globals['_GENERATERESPONSE']._serialized_end=672
-  _globals['_COMPLETERESPONSE']._serialized_start=675
-  _globals['_COMPLETERESPONSE']._serialized_end=847
-  _globals['_LISTMODELSREQUEST']._serialized_start=849
-  _globals['_LISTMODELSREQUEST']._serialized_end=868
-  _globals['_MODELINFO']._serialized_start=870
-  _globals['_MODELINFO']._serialized_end=916
-  _globals['_LISTMODELSRESPONSE']._serialized_start=918
-  _globals['_LISTMODELSRESPONSE']._serialized_end=977
-  _globals['_GENERATION']._serialized_start=980
-  _globals['_GENERATION']._serialized_end=1213
+  _globals['_GENERATEREQUEST']._serialized_end=430
+  _globals['_USAGE']._serialized_start=432
+  _globals['_USAGE']._serialized_end=519
+  _globals['_GENERATERESPONSE']._serialized_start=522
+  _globals['_GENERATERESPONSE']._serialized_end=694
+  _globals['_COMPLETERESPONSE']._serialized_start=697
+  _globals['_COMPLETERESPONSE']._serialized_end=869
+  _globals['_LISTMODELSREQUEST']._serialized_start=871
+  _globals['_LISTMODELSREQUEST']._serialized_end=890
+  _globals['_MODELINFO']._serialized_start=892
+  _globals['_MODELINFO']._serialized_end=938
+  _globals['_LISTMODELSRESPONSE']._serialized_start=940
+  _globals['_LISTMODELSRESPONSE']._serialized_end=999
+  _globals['_GENERATION']._serialized_start=1002
+  _globals['_GENERATION']._serialized_end=1235
 # @@protoc_insertion_point(module_scope)

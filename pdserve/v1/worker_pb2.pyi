@@ -102,7 +102,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "outstanding_tokens", "engine_steps", "engine_busy_s", "engine_step_predicted_s")
+    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "outstanding_tokens", "engine_steps", "engine_busy_s", "engine_step_predicted_s", "prefill_queue_s", "prefill_token_s", "prefix_summary")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,9 @@ class WorkerStats(_message.Message):
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEP_PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_free_blocks: int
     num_running: int
@@ -119,7 +122,22 @@ class WorkerStats(_message.Message):
     engine_steps: int
     engine_busy_s: float
     engine_step_predicted_s: float
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., engine_step_predicted_s: _Optional[float] = ...) -> None: ...
+    prefill_queue_s: float
+    prefill_token_s: float
+    prefix_summary: PrefixSummary
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., engine_step_predicted_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_token_s: _Optional[float] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
+
+class PrefixSummary(_message.Message):
+    __slots__ = ("block_size", "num_hashes", "num_probes", "bloom")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROBES_FIELD_NUMBER: _ClassVar[int]
+    BLOOM_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_hashes: int
+    num_probes: int
+    bloom: bytes
+    def __init__(self, block_size: _Optional[int] = ..., num_hashes: _Optional[int] = ..., num_probes: _Optional[int] = ..., bloom: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "role", "address", "layout")

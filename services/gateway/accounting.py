@@ -31,6 +31,7 @@ class GatewayRequest:
     ) -> None:
         self.request_id = request_id
         self.worker_request_id = request_id  # what the workers know it by (Gateway.open)
+        self.affinity_key = ""  # the client's (Gateway.generate): routed by
         self.metrics = metrics
         self.policy = policy
         self.span = telemetry.start_span(

@@ -18,7 +18,9 @@ class GatewayConfig:
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
     ``local_prefill_tokens`` and ``decode_prefill_budget_s``: when a decode worker prefills a
     prompt itself instead of a prefill worker (``placement.py``); a budget of 0 always
-    disaggregates.
+    disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request with an affinity key to
+    the prefill worker its key hashes to while that one's estimate is at most this many seconds
+    above the cheapest's.
 
     Hang detection (``watchdog.py``): each worker gets a fast probe (Stats, ``probe_timeout_s``)
     every ``probe_interval_s`` (0 turns the watchdog off) and a real one (a 1-token generation)
@@ -58,6 +60,7 @@ class GatewayConfig:
     engine_timeout_s: float = 20.0
     stuck_step_floor_s: float = 2.0
     stuck_step_factor: float = 4.0
+    affinity_slack_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.probe_interval_s >= 0:
@@ -93,5 +96,7 @@ class GatewayConfig:
             raise ValueError(
                 f"decode_prefill_budget_s must be >= 0 seconds, got {self.decode_prefill_budget_s}"
             )
+        if not self.affinity_slack_s >= 0:
+            raise ValueError(f"affinity_slack_s must be >= 0 seconds, got {self.affinity_slack_s}")
         if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
             raise ValueError(f"max_resumes must be an integer >= 0, got {self.max_resumes!r}")

@@ -23,10 +23,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
+from pdserve.services.gateway import cost as costs
 from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
 from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
 from pdserve.services.gateway.router import Router
@@ -94,7 +96,11 @@ class Gateway:
         self.model_name = model_name
         self.config = config or GatewayConfig()
         self.registry = registry or WorkerRegistry(self.config.lease_s)
-        self.router = Router(self.config.policy)
+        self.router = Router(
+            self.config.policy,
+            stale_s=2 * self.config.lease_s / 3,  # two heartbeats missed
+            affinity_slack_s=self.config.affinity_slack_s,
+        )
         self._capacity = asyncio.Condition()
         self.metrics = GatewayMetrics()
         self.keys = keys or KeyStore({})  # none: open to every caller
@@ -158,6 +164,11 @@ class Gateway:
         what its API calls it): both APIs call it ``with`` the request ``open`` gave them."""
         validate_request_id(request_id, name)
 
+    def check_affinity_key(self, key: str, name: str = "affinity_key") -> None:
+        """ValueError (INVALID_ARGUMENT) unless ``key`` is an affinity key a client may send: the
+        limits of a request id (``name``: what its API calls it)."""
+        validate_request_id(key, name)
+
     async def generate(
         self,
         req: GatewayRequest,
@@ -165,10 +176,12 @@ class Gateway:
         params: SamplingParams,
         timeout: float | None = None,
         caller: ApiKey | None = None,
+        affinity_key: str = "",
     ) -> AsyncIterator[Delta]:
         """Deltas of ``req`` until one carries a finish reason (and the usage). ``caller``: what
-        ``authenticate`` returned (None is refused when keys are configured). ValueError for a
-        prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it,
+        ``authenticate`` returned (None is refused when keys are configured); ``affinity_key``:
+        requests with the same key go to the same prefill worker (``check_affinity_key`` first).
+        ValueError for a prompt that cannot be served (INVALID_ARGUMENT), GatewayError when no worker serves it,
         RateLimited / RequestTooLarge when the caller's limits refuse it, UNAVAILABLE while the
         gateway drains."""
         if caller is None:
@@ -176,6 +189,7 @@ class Gateway:
         with self.gate.enter():
             ids, prompt_text = await self.encode(prompt)
             req.prepared(ids, params.max_tokens, prompt_text)
+            req.affinity_key = affinity_key
             validate_prompt(ids, params.max_tokens, self.max_model_len, self.vocab_size)
             text = TextStream(self.tokenizer, ids, params.stop)
             # prompt + max_tokens reserved from the key's budget; what is not used is refunded
@@ -222,7 +236,8 @@ class Gateway:
             try_params = (
                 replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
             )
-            stream = self._pick(req, next(tries), try_ids, try_params, timeout, tried | full)
+            job = Job(try_ids, try_params.max_tokens, req.affinity_key)
+            stream = self._pick(req, next(tries), job, try_params, timeout, tried | full)
             if stream is None:
                 if not full:
                     break
@@ -300,37 +315,40 @@ class Gateway:
             grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}"
         )
 
-    def _pick(self, req: GatewayRequest, attempt: int, ids, params, timeout, exclude: set[str]):
+    def _pick(self, req: GatewayRequest, attempt: int, job: Job, params, timeout, exclude):
         """The token stream of the next pair to try, or None when no worker is left."""
         # Each try has its own id on the workers: a cancelled try may still be winding down there.
         rid = f"{req.worker_request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
-        prefill = self.router.pick(self.registry.alive("prefill"), exclude)
-        decode = self.router.pick(self.registry.alive("decode"), exclude) if prefill else None
+        ids = job.prompt_ids
+        pick = self.router.pick
+        prefill = pick(self.registry.alive("prefill"), exclude, job)
+        decode = pick(self.registry.alive("decode"), exclude, job, decode=True) if prefill else None
         if decode is None:
             # No pair: a colocated worker, or (no prefill worker at all) a decode worker prefills
             # locally. registry.can_serve() is this rule, for the gateway's health.
             pool = self.registry.alive("colocated")
             if prefill is None:
                 pool += self.registry.alive("decode")
-            local = self.router.pick(pool, exclude)
+            local = pick(pool, exclude, job)
             if local is None:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
-            return self._local(local, rid, ids, params, timeout, md)
+            return self._local(local, rid, job, params, timeout, md)
         reason = placement.decide(len(ids), prefill, decode, self.config)
         self.metrics.placement.labels(reason).inc()
         if reason != placement.DISAGGREGATED:
             req.routed("local:decode", decode.address, "", attempt, reason)
-            return self._local(decode, rid, ids, params, timeout, md)
+            return self._local(decode, rid, job, params, timeout, md)
         req.routed("disaggregated", decode.address, prefill.address, attempt, reason)
-        return self._disaggregated(decode, prefill, rid, ids, params, timeout, md)
+        return self._disaggregated(decode, prefill, rid, job, params, timeout, md)
 
     async def _released(self) -> None:
         async with self._capacity:
             self._capacity.notify_all()
 
-    async def _local(self, worker: Worker, rid, ids, params, timeout, md):
+    async def _local(self, worker: Worker, rid, job: Job, params, timeout, md):
+        ids = job.prompt_ids
         req = worker_pb2.DecodeRequest(
             request_id=rid,
             prompt_token_ids=ids,
@@ -340,6 +358,8 @@ class Gateway:
         cost = len(ids) + params.max_tokens
         worker.outstanding_tokens += cost
         worker.local_prefill_tokens += len(ids)  # until its first token
+        blocks = costs.request_blocks(worker, cost)
+        sent_at = worker.sent(len(ids), blocks)
         prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.track(call)
@@ -348,20 +368,28 @@ class Gateway:
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
+                    costs.prompt_prefilled(worker, job)
                 yield _chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
             worker.outstanding_tokens -= cost
+            worker.done(sent_at, len(ids), blocks)
             if prefilling:
                 worker.local_prefill_tokens -= len(ids)
             worker.calls.discard(call)
             call.cancel()
             await self._released()
 
-    async def _disaggregated(self, decode: Worker, prefill: Worker, rid, ids, params, timeout, md):
+    async def _disaggregated(
+        self, decode: Worker, prefill: Worker, rid, job: Job, params, timeout, md
+    ):
+        ids = job.prompt_ids
         sampling = sampling_to_proto(params)
         cost = len(ids) + params.max_tokens
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += len(ids)
+        blocks = costs.request_blocks(decode, cost)
+        decode_sent_at = decode.sent(0, blocks)
+        prefill_sent_at = prefill.sent(len(ids))
         call = decode.stub.Generate(
             worker_pb2.DecodeRequest(
                 request_id=rid,
@@ -395,6 +423,7 @@ class Gateway:
             try:
                 resp = await prefill_call
                 prefill.progressed()
+                costs.prompt_prefilled(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
                 raise _WorkerFailed(
@@ -405,6 +434,7 @@ class Gateway:
             finally:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= len(ids)
+                prefill.done(prefill_sent_at, len(ids))
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
@@ -412,9 +442,11 @@ class Gateway:
                 yield _chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
             decode.outstanding_tokens -= cost
+            decode.done(decode_sent_at, 0, blocks)
             decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= len(ids)
+                prefill.done(prefill_sent_at, len(ids))
             call.cancel()
             await self._released()
 

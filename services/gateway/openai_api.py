@@ -7,9 +7,10 @@ become the response objects and stream chunks of /v1/completions and /v1/chat/co
 What is accepted: ``model``, ``prompt`` (a string or token ids; a batch of one), ``messages``
 (text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop``, ``logprobs`` / ``top_logprobs``, ``stream``,
-``stream_options.include_usage``, ``n`` (1 only), ``ignore_eos``. Fields of the API this server
-does not implement are refused unless they hold their default (``presence_penalty: 0`` passes);
-other unknown fields (``user``, ``metadata``, ...) are ignored, as OpenAI's server does.
+``stream_options.include_usage``, ``n`` (1 only), ``ignore_eos``, ``user`` (the affinity key:
+requests of one user go to the same prefill worker, whose prefix cache holds their history).
+Fields of the API this server does not implement are refused unless they hold their default
+(``presence_penalty: 0`` passes); other unknown fields (``metadata``, ...) are ignored, as OpenAI's server does.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Request:
     stream: bool
     include_usage: bool
     max_tokens_given: bool  # chat without a limit: the rest of the context (the handler sets it)
+    affinity_key: str = ""  # the body's ``user``: routed by (GatewayConfig.affinity_slack_s)
 
 
 def _is_int(v: Any) -> bool:
@@ -147,6 +149,7 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
     )
     return {
         "model": model,
+        "user": _get(body, "user", lambda v: isinstance(v, str), "a string", ""),
         "stream": stream,
         "include_usage": include_usage,
         "sampling": fields,
@@ -197,6 +200,7 @@ def parse_completion(body: Any) -> Request:
         common["stream"],
         common["include_usage"],
         max_tokens_given=True,
+        affinity_key=common["user"],
     )
 
 
@@ -242,6 +246,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Request:
         common["stream"],
         common["include_usage"],
         max_tokens_given=common["sampling"]["max_tokens"] is not None,
+        affinity_key=common["user"],
     )
 
 

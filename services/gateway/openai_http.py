@@ -252,7 +252,8 @@ class OpenAIApp:
         gw = self.gateway
         with gw.open(request_id, list(request.headers.items()), r.stream) as req:
             gw.check_request_id(request_id, "the X-Request-Id header")
-            deltas = gw.generate(req, r.prompt, r.params, None, caller)
+            gw.check_affinity_key(r.affinity_key, "user")
+            deltas = gw.generate(req, r.prompt, r.params, None, caller, r.affinity_key)
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
                     yield req.request_id, d

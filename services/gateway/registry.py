@@ -33,6 +33,18 @@ class Worker:
     deregistered: bool = False  # it left (draining, unhealthy engine) until it registers again
     # time.monotonic() of the last message the gateway read from it (watchdog.py's progress watch)
     last_progress: float = field(default_factory=time.monotonic)
+    # What its heartbeats report (gateway/cost.py Report), and what this gateway sent there
+    # since the last one: the ``cost`` policy routes by the sum.
+    report: object = None
+    heartbeats: int = 0  # reports received: a request sent before the last one is in it
+    unreported_tokens: int = 0  # prompt tokens of requests sent since, still running there
+    unreported_requests: int = 0
+    unreported_blocks: int = 0  # KV blocks those requests take (decode workers)
+    # block hashes of the prompts prefilled there in this heartbeat period and the one before
+    # (their blocks are cached there, but maybe not in its last report yet), and their block size
+    recent_hashes: set = field(default_factory=set, repr=False)
+    _older_hashes: set = field(default_factory=set, repr=False)
+    recent_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.channel is None:
@@ -51,6 +63,39 @@ class Worker:
     def alive(self) -> bool:
         """Routed to: registered and not on probation."""
         return self.registered and not self.probation
+
+    def sent(self, num_tokens: int, num_blocks: int = 0) -> int:
+        """A request is sent here: counted on top of the last report until the next one. Returns
+        what ``done`` takes back."""
+        self.unreported_tokens += num_tokens
+        self.unreported_requests += 1
+        self.unreported_blocks += num_blocks
+        return self.heartbeats
+
+    def done(self, sent_at: int, num_tokens: int, num_blocks: int = 0) -> None:
+        """The request ``sent`` returned ``sent_at`` for has ended here (uncounted once a report
+        came since: the report counted it)."""
+        if sent_at == self.heartbeats:
+            self.unreported_tokens -= num_tokens
+            self.unreported_requests -= 1
+            self.unreported_blocks -= num_blocks
+
+    def prompt_cached(self, block_hashes: list[bytes], block_size: int) -> None:
+        """A prompt of these block hashes was prefilled here (its blocks are cached)."""
+        if block_size != self.recent_block_size:
+            self.recent_hashes, self._older_hashes = set(), set()
+            self.recent_block_size = block_size
+        self.recent_hashes.update(block_hashes)
+
+    def cached_recently(self, block_hash: bytes) -> bool:
+        return block_hash in self.recent_hashes or block_hash in self._older_hashes
+
+    def reported(self, report) -> None:
+        """A heartbeat's stats arrived: they count every request sent before."""
+        self.report = report
+        self.heartbeats += 1
+        self.unreported_tokens = self.unreported_requests = self.unreported_blocks = 0
+        self._older_hashes, self.recent_hashes = self.recent_hashes, set()
 
     def track(self, call) -> None:
         """A call of the gateway's starts here: its progress is watched from now on."""
@@ -162,11 +207,14 @@ class WorkerRegistry:
         worker.failures = 0
         self._changed()
 
-    def heartbeat(self, worker_id: str) -> bool:
+    def heartbeat(self, worker_id: str, report=None) -> bool:
+        """Renew the lease; ``report``: its stats (gateway/cost.py Report), kept for routing."""
         w = self.workers.get(worker_id)
         if w is None or not w.registered:
             return False
         w.lease_expires = time.monotonic() + self.lease_s
+        if report is not None:
+            w.reported(report)
         return True
 
     def alive(self, role: str) -> list[Worker]:

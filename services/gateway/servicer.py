@@ -7,9 +7,11 @@ with the status ``services/errors.py`` gives it.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from pdserve.services.gateway.cost import Report
 from pdserve.services.gateway.gateway import Delta, Gateway
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry
@@ -74,9 +76,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             caller = gw.authenticate(authorization(metadata))
             gw.check_model(request.model)
             gw.check_request_id(request.request_id)
+            gw.check_affinity_key(request.affinity_key)
             params = sampling_from_proto(request.sampling)
             deltas = gw.generate(
-                req, prompt_from_proto(request), params, context.time_remaining(), caller
+                req,
+                prompt_from_proto(request),
+                params,
+                context.time_remaining(),
+                caller,
+                request.affinity_key,
             )
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
@@ -151,7 +159,14 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context):
         self._authenticate(context)
-        return worker_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.worker_id))
+        report = (
+            Report.from_proto(request.stats, time.monotonic())
+            if request.HasField("stats")
+            else None
+        )
+        return worker_pb2.HeartbeatResponse(
+            known=self.registry.heartbeat(request.worker_id, report)
+        )
 
     async def Deregister(self, request: worker_pb2.DeregisterRequest, context):
         self._authenticate(context)

@@ -227,6 +227,7 @@ def test_unknown_model_is_404(oai):
         ("prompt", []),
         ("prompt", ["a", "b"]),
         ("prompt", {"text": "x"}),
+        ("user", 5),
     ],
 )
 def test_a_bad_value_is_400_naming_the_field(http_cluster, oai, field, value):
@@ -266,6 +267,18 @@ def test_a_bad_chat_value_is_400_naming_the_field_as_the_request_does(
     err = _error(e.value)
     assert err["param"] == param
     assert message in err["message"]
+    assert_no_leaks(http_cluster.live())
+
+
+def test_the_user_field_is_the_affinity_key_and_a_bad_one_is_400(http_cluster):
+    base = f"http://{http_cluster.http_address}/v1"
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=30) as h:
+        r = h.post(f"{base}/completions", json=body | {"user": "u" * 129})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == ("user has 129 characters; at most 128 are allowed")
+        r = h.post(f"{base}/completions", json=body | {"user": "session-7"})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert_no_leaks(http_cluster.live())
 
 

@@ -28,7 +28,7 @@ def test_gateway_options_reach_the_config():
         "--queue-timeout 9 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
         "--suspect-after 2 --probe-timeout 0.25 --real-probe-timeout 1.5 "
         "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25 "
-        "--stuck-step-floor 1.5 --stuck-step-factor 3".split()
+        "--stuck-step-floor 1.5 --stuck-step-factor 3 --affinity-slack 2".split()
     )
     assert serve_cli.gateway_config(args) == GatewayConfig(
         policy="round_robin",
@@ -48,6 +48,7 @@ def test_gateway_options_reach_the_config():
         engine_timeout_s=12.0,
         stuck_step_floor_s=1.5,
         stuck_step_factor=3.0,
+        affinity_slack_s=2.0,
     )
 
 
@@ -95,6 +96,7 @@ def test_every_gateway_config_field_has_an_option():
         "engine_timeout",
         "stuck_step_floor",
         "stuck_step_factor",
+        "affinity_slack",
     }
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))

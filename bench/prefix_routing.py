@@ -1,0 +1,193 @@
+"""Repeated-prefix chat: routing policy ``round_robin`` against ``cost``, side by side in one run.
+
+One set of real processes: 2 prefill workers (one core each) and 1 decode worker, registered with
+two gateways, one per policy. Each round runs ``--sessions`` chat sessions at once, each
+``--turns`` turns long, a random pause before each: every turn sends the whole conversation (a shared system prompt of
+``--system-words`` words, then the user and assistant turns so far, then a new user message of
+``--user-words`` words) and appends the streamed reply. Each round has a system prompt of its own
+(no round finds another's in a cache), and the rounds alternate between the gateways
+(round_robin first, then cost, ...). Prints TTFT percentiles per policy and cost / round_robin.
+
+    .venv/bin/python bench/prefix_routing.py --rounds 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import secrets
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import grpc  # noqa: E402
+from pdserve.services.launcher import start_process, stop_processes  # noqa: E402
+
+from bench.common import ENV  # noqa: E402
+from pdserve.bench_serve import WORDS, percentiles  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from pdserve.v1.convert import sampling_to_proto  # noqa: E402
+
+POLICIES = ("round_robin", "cost")
+WORKERS = [
+    ["prefill", "--threads", "1", "--cpus", "0"],
+    ["prefill", "--threads", "1", "--cpus", "1"],
+    ["decode", "--threads", "1"],
+]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def session(stub, system: str, rng: random.Random, args, key: str) -> list[float]:
+    """One chat session's turns, one after the other; the TTFT of each."""
+    messages = [generation_pb2.ChatMessage(role="system", content=system)]
+    params = sampling_to_proto(
+        SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    )
+    ttfts = []
+    for _ in range(args.turns):
+        await asyncio.sleep(rng.uniform(0, args.think_s))  # the user reads, then types
+        lo, hi = args.user_words
+        messages.append(
+            generation_pb2.ChatMessage(role="user", content=words(rng, rng.randint(lo, hi)))
+        )
+        req = generation_pb2.GenerateRequest(
+            chat=generation_pb2.ChatMessages(messages=messages),
+            sampling=params,
+            affinity_key=key if args.affinity else "",
+        )
+        start = time.perf_counter()
+        reply, ttft = [], None
+        async for delta in stub.Generate(req, timeout=600):
+            if ttft is None and delta.token_ids:
+                ttft = time.perf_counter() - start
+            reply.append(delta.text)
+        ttfts.append(ttft)
+        messages.append(generation_pb2.ChatMessage(role="assistant", content="".join(reply)))
+    return ttfts
+
+
+async def one_round(address: str, round_no: int, args) -> tuple[list[list[float]], float]:
+    # this round's own system prompt (warm-up rounds are numbered from 1,000)
+    rng = random.Random(f"{args.seed}-{round_no}")
+    system = words(rng, args.system_words)
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        began = time.perf_counter()
+        runs = [
+            session(stub, system, random.Random(rng.random()), args, f"r{round_no}-s{i}")
+            for i in range(args.sessions)
+        ]
+        per_session = await asyncio.gather(*runs)
+        return per_session, time.perf_counter() - began
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    think = (
+        "a user waits uniform(0, this) seconds before each turn (so sessions interleave at random, "
+        "not in lock step: round robin would otherwise keep each session on one worker whenever "
+        "the session count is even)"
+    )
+    for flag, kind, default, what in (
+        ("--rounds", int, 4, "alternating, round_robin first"),
+        ("--sessions", int, 8, "chat sessions at once"),
+        ("--turns", int, 6, "turns per session"),
+        ("--system-words", int, 600, "the shared system prompt's words"),
+        ("--output-len", int, 32, "tokens per reply"),
+        ("--think-s", float, 2.0, think),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=what)
+    p.add_argument("--user-words", type=lambda s: tuple(map(int, s.split("-"))), default=(20, 40))
+    p.add_argument("--affinity", action="store_true", help="send each session's id as its key")
+    p.add_argument("--kv-cache-bytes", default="1G", help="the decode worker's")
+    p.add_argument(
+        "--prefill-kv-cache-bytes",
+        default="1G",
+        help="each prefill worker's: its prefix cache (smaller than the sessions' contexts: "
+        "round robin makes each worker cache every session, cost about half of them)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
+    procs, gateways = [], {}
+    try:
+        for policy in POLICIES:
+            gw = start_process(
+                ["gateway", "--port", "0", "--http-port", "-1", "--policy", policy], env=env
+            )
+            procs.append(gw.proc)
+            gateways[policy] = gw.address
+        registry = ",".join(gateways.values())
+        for argv in WORKERS:
+            kv = args.prefill_kv_cache_bytes if argv[0] == "prefill" else args.kv_cache_bytes
+            extra = ["--kv-cache-bytes", kv, "--gateway", registry]
+            procs.append(start_process([*argv, *extra], env=env).proc)
+        # warm-up (a round of its own, on both gateways): compiled paths, measured speeds
+        for policy in POLICIES:
+            asyncio.run(one_round(gateways[policy], 1000 + POLICIES.index(policy), args))
+        ttfts: dict[str, list[float]] = {p: [] for p in POLICIES}
+        by_turn: dict[str, list[list[float]]] = {
+            p: [[] for _ in range(args.turns)] for p in POLICIES
+        }
+        walls: dict[str, list[float]] = {p: [] for p in POLICIES}
+        for r in range(args.rounds):
+            policy = POLICIES[r % 2]
+            sessions, wall = asyncio.run(one_round(gateways[policy], r, args))
+            t = [x for s in sessions for x in s]
+            ttfts[policy] += t
+            for s in sessions:
+                for turn, x in enumerate(s):
+                    by_turn[policy][turn].append(x)
+            walls[policy].append(wall)
+            print(
+                f"round {r} {policy}: TTFT p50 {statistics.median(t) * 1000:.0f} ms, "
+                f"wall {wall:.1f} s",
+                flush=True,
+            )
+    finally:
+        stop_processes(procs)
+    summary = {
+        "cpu": cpu_model(),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "ttft_s": {p: percentiles(ttfts[p]) for p in POLICIES},
+        "round_wall_s": walls,
+        "ttft_p50_s_by_turn": {p: [statistics.median(t) for t in by_turn[p]] for p in POLICIES},
+    }
+    rr, cost = summary["ttft_s"]["round_robin"], summary["ttft_s"]["cost"]
+    summary["cost_over_round_robin"] = {q: cost[q] / rr[q] for q in ("p50", "p99", "mean")}
+    for policy in POLICIES:
+        s = summary["ttft_s"][policy]
+        print(
+            f"{policy:12s} TTFT p50 {s['p50'] * 1000:7.1f} ms  p99 {s['p99'] * 1000:7.1f} ms  "
+            f"({len(ttfts[policy])} requests)"
+        )
+        turns = " ".join(f"{x * 1000:.0f}" for x in summary["ttft_p50_s_by_turn"][policy])
+        print(f"{'':12s} p50 by turn (ms): {turns}")
+    ratio = summary["cost_over_round_robin"]
+    print(f"cost / round_robin: p50 {ratio['p50']:.2f}, p99 {ratio['p99']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

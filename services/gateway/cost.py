@@ -1,0 +1,177 @@
+"""The ``cost`` routing policy's estimates, from what workers report in their heartbeats.
+
+Several gateways send to the same workers, so what one gateway remembers of its own requests is
+not a worker's load. Each heartbeat (every lease/3 s) carries the worker's ``WorkerStats``: its
+queued prompt work in seconds, its measured seconds per prompt token, its batch and free blocks,
+and a Bloom filter of the prompt blocks it has cached (``pdserve/kv_cache/prefix_summary.py``).
+Between two heartbeats the report ages: its queue drains at one second per second, and what this
+gateway has sent there since (``Worker.unreported_*``) is added on top. A report older than
+``stale_s`` (two heartbeats missed) is not used: the worker is then estimated from this
+gateway's own requests in flight, as ``least_loaded`` does.
+
+    prefill worker:  seconds = queue_s + (prompt tokens - cached prefix tokens) * token_s
+    decode worker:   (blocks for the request not free, sequences running and waiting, -free blocks)
+
+The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
+among the prompts this gateway had prefilled there in the last two heartbeat periods (maybe not
+in a filter yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from pdserve.services.gateway.registry import Worker
+
+from pdserve.kv_cache.allocator import prefix_block_hashes
+from pdserve.kv_cache.prefix_summary import PrefixSummary
+from pdserve.v1 import worker_pb2
+
+DEFAULT_TOKEN_S = 1e-3  # a worker that has not measured its prefill yet (nor been measured)
+DEFAULT_BLOCK_SIZE = 16  # what a request's blocks are counted in before any report says
+
+
+def summary_from_proto(m: worker_pb2.PrefixSummary) -> PrefixSummary | None:
+    """None when the worker sent none (block_size 0) or one that does not parse (a broken or
+    other-version worker: routed as if it cached nothing, rather than refused)."""
+    if not m.block_size:
+        return None
+    try:
+        return PrefixSummary(m.block_size, m.num_hashes, bytes(m.bloom), m.num_probes or 1)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Report:
+    """A worker's heartbeat stats as this gateway received them at ``at`` (time.monotonic()),
+    its prefix summary parsed."""
+
+    at: float
+    stats: worker_pb2.WorkerStats
+    summary: PrefixSummary | None = None
+
+    @classmethod
+    def from_proto(cls, stats: worker_pb2.WorkerStats, at: float) -> Report:
+        return cls(at, stats, summary_from_proto(stats.prefix_summary))
+
+    @property
+    def queue_s(self) -> float:
+        return max(self.stats.prefill_queue_s, 0.0)
+
+    @property
+    def token_s(self) -> float:
+        return max(self.stats.prefill_token_s, 0.0)
+
+
+@dataclass
+class Job:
+    """What the router knows of a request: its prompt, its output budget, its affinity key."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    affinity_key: str = ""
+    _hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """The prompt's block hashes a worker could reuse (not the last token's block)."""
+        if block_size not in self._hashes:
+            usable = self.prompt_ids[: len(self.prompt_ids) - 1]
+            self._hashes[block_size] = prefix_block_hashes(usable, block_size)
+        return self._hashes[block_size]
+
+
+def fresh_report(w: Worker, now: float, stale_s: float) -> Report | None:
+    r = w.report
+    return r if r is not None and now - r.at <= stale_s else None
+
+
+def measured_token_s(w: Worker, r: Report | None) -> float | None:
+    """Seconds per prompt token: as ``w`` measured it, else as this gateway did, else None."""
+    if r is not None and r.token_s > 0:
+        return r.token_s
+    return 1.0 / w.prefill_rate if w.prefill_rate else None
+
+
+def typical_token_s(pool: list[Worker], now: float, stale_s: float) -> float:
+    """What a worker that has measured nothing yet is assumed to take per prompt token: the
+    average of those that have (the same model everywhere), else DEFAULT_TOKEN_S."""
+    known = [measured_token_s(w, fresh_report(w, now, stale_s)) for w in pool]
+    known = [t for t in known if t is not None]
+    return sum(known) / len(known) if known else DEFAULT_TOKEN_S
+
+
+def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
+    """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or
+    prefilled there for this gateway lately."""
+    summary = r.summary if r is not None else None
+    block_size = summary.block_size if summary is not None else w.recent_block_size
+    if not block_size:
+        return 0
+    n = 0
+    for h in job.hashes(block_size):
+        if not ((summary is not None and h in summary) or w.cached_recently(h)):
+            break
+        n += 1
+    return n * block_size
+
+
+def prefill_estimate(
+    w: Worker, job: Job, now: float, stale_s: float, default_token_s: float = DEFAULT_TOKEN_S
+) -> tuple[float, int]:
+    """(estimated seconds until ``w``, a prefill worker or one prefilling locally, has computed
+    ``job``'s prompt; the prompt tokens it finds cached). ``default_token_s``: its speed if it
+    has measured none (``typical_token_s``)."""
+    r = fresh_report(w, now, stale_s)
+    token_s = measured_token_s(w, r) or default_token_s
+    if r is not None:
+        queue = max(0.0, r.queue_s - (now - r.at)) + w.unreported_tokens * token_s
+    else:
+        mine = w.outstanding_tokens if w.role == "prefill" else w.local_prefill_tokens
+        queue = mine * token_s
+    cached = cached_tokens(w, job, r)
+    return queue + (len(job.prompt_ids) - cached) * token_s, cached
+
+
+def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, int]:
+    """(1 when the request's blocks are not free there, sequences there, -free blocks): lower
+    is better. Without a fresh report: this gateway's calls there, its blocks assumed free."""
+    r = fresh_report(w, now, stale_s)
+    if r is None:
+        return (0, len(w.calls), 0)
+    needed = request_blocks(w, len(job.prompt_ids) + job.max_tokens)
+    free = r.stats.num_free_blocks - w.unreported_blocks
+    seqs = r.stats.num_running + r.stats.num_waiting + w.unreported_requests
+    return (int(free < needed), seqs, -free)
+
+
+def block_size(w: Worker) -> int:
+    """The worker's block size, as its last report says."""
+    r = w.report
+    return r.summary.block_size if r is not None and r.summary is not None else DEFAULT_BLOCK_SIZE
+
+
+def request_blocks(w: Worker, num_tokens: int) -> int:
+    """KV blocks ``num_tokens`` take on ``w``."""
+    return -(-num_tokens // block_size(w))
+
+
+def prompt_prefilled(worker: Worker, job: Job) -> None:
+    """The prompt has been prefilled on ``worker``: its blocks are cached there from now on (not
+    before: a prompt sharing its prefix that arrives while it computes computes the prefix too,
+    so it is no cheaper there)."""
+    size = block_size(worker)
+    worker.prompt_cached(job.hashes(size), size)
+
+
+def rendezvous(key: str, worker_id: str) -> int:
+    """Highest-random-weight hashing: a key's worker stays the same while it is a candidate, and
+    only the keys of a worker that leaves move."""
+    digest = hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def now() -> float:
+    return time.monotonic()

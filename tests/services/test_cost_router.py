@@ -1,0 +1,236 @@
+"""The ``cost`` routing policy on recorded worker stats: the exact pick for each situation.
+
+Each test builds the heartbeat reports a gateway would hold (``WorkerStats`` as a worker sends
+them, through the Registry's path: ``Report.from_proto``) and asserts which worker the router picks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import grpc
+import pytest
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.cost import Job, Report, prefill_estimate, rendezvous
+from pdserve.services.gateway.registry import Worker
+from pdserve.services.gateway.router import Router
+from pdserve.services.stats import summary_to_proto
+
+from pdserve.kv_cache.allocator import prefix_block_hashes
+from pdserve.kv_cache.prefix_summary import MAX_BYTES, PrefixSummary
+from pdserve.v1 import worker_pb2
+
+NOW = 1000.0
+STALE_S = 2.0
+SYSTEM = list(range(1000, 1600))  # a 600-token system prompt: 37 full blocks of 16
+
+
+@pytest.fixture
+def channel():
+    ch = grpc.insecure_channel("127.0.0.1:1")  # never dialled: the router only reads
+    yield ch
+    ch.close()
+
+
+def worker(channel, worker_id: str, role: str = "prefill") -> Worker:
+    return Worker(worker_id, role, "127.0.0.1:1", "h", channel=channel)
+
+
+def report(
+    queue_s: float = 0.0,
+    token_s: float = 1e-3,
+    cached: list[int] | None = None,
+    age: float = 0.0,
+    running: int = 0,
+    waiting: int = 0,
+    free: int = 1000,
+) -> Report:
+    """A heartbeat's stats, as the Registry servicer turns them into a Report ``age`` s ago."""
+    stats = worker_pb2.WorkerStats(
+        num_total_blocks=1000,
+        num_free_blocks=free,
+        num_running=running,
+        num_waiting=waiting,
+        prefill_queue_s=queue_s,
+        prefill_token_s=token_s,
+    )
+    summary = PrefixSummary.build(16, prefix_block_hashes(cached or [], 16))
+    stats.prefix_summary.CopyFrom(summary_to_proto(summary))
+    return Report.from_proto(stats, NOW - age)
+
+
+def chat(turn: int) -> Job:
+    """The system prompt and a 40-token user message."""
+    return Job(SYSTEM + list(range(turn * 100, turn * 100 + 40)), max_tokens=32)
+
+
+def pick(router: Router, workers: list[Worker], job: Job, **kw) -> str:
+    return router.pick(workers, job=job, now=NOW, **kw).worker_id
+
+
+def test_a_prefix_hit_wins_over_an_idle_worker_when_it_is_cheaper(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report(queue_s=0.1, cached=SYSTEM))  # busy, but holds the system prompt
+    b.reported(report())  # idle, cold
+    router = Router("cost", stale_s=STALE_S)
+    # a: 0.1 + (640 - 592) * 1 ms = 0.148 s; b: 640 * 1 ms = 0.64 s
+    assert prefill_estimate(a, chat(1), NOW, STALE_S) == pytest.approx((0.148, 592))
+    assert prefill_estimate(b, chat(1), NOW, STALE_S) == pytest.approx((0.64, 0))
+    assert [pick(router, [a, b], chat(t)) for t in range(4)] == ["prefill-a"] * 4
+
+
+def test_an_overloaded_worker_loses_despite_its_prefix_hit(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report(queue_s=2.0, cached=SYSTEM))  # 2.048 s
+    b.reported(report())  # 0.64 s
+    assert pick(Router("cost", stale_s=STALE_S), [a, b], chat(1)) == "prefill-b"
+
+
+def test_a_slower_worker_loses_at_equal_cache(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report(token_s=2e-3))
+    b.reported(report(token_s=1e-3))
+    assert pick(Router("cost", stale_s=STALE_S), [a, b], chat(1)) == "prefill-b"
+
+
+def test_requests_sent_since_the_last_report_count_on_top_of_it(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report(cached=SYSTEM))
+    b.reported(report())
+    router = Router("cost", stale_s=STALE_S)
+    sent_at = a.sent(1000)  # 1 s of prompts this gateway sent to a since its report
+    assert pick(router, [a, b], chat(1)) == "prefill-b"  # a: 1.048 s, b: 0.64 s
+    a.done(sent_at, 1000)
+    assert pick(router, [a, b], chat(1)) == "prefill-a"
+    # a request sent before a report is in that report: its end does not count it off again
+    sent_at = a.sent(500)
+    a.reported(report(queue_s=0.5, cached=SYSTEM))
+    a.done(sent_at, 500)
+    assert a.unreported_tokens == 0 and a.unreported_requests == 0
+
+
+def test_a_report_ages_and_a_stale_one_is_not_used(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    router = Router("cost", stale_s=STALE_S)
+    # a reported 1.0 s queued 0.8 s ago: 0.2 s left, less than b's fresh 0.5 s
+    a.reported(report(queue_s=1.0, age=0.8))
+    b.reported(report(queue_s=0.5))
+    assert prefill_estimate(a, chat(1), NOW, STALE_S)[0] == pytest.approx(0.2 + 0.64)
+    assert pick(router, [a, b], chat(1)) == "prefill-a"
+    # a's report is older than stale_s: its cache and idle queue are not believed; what this
+    # gateway has in flight there (2,000 prompt tokens) is
+    a.reported(report(cached=SYSTEM, age=STALE_S + 0.1))
+    a.outstanding_tokens = 2000
+    assert prefill_estimate(a, chat(1), NOW, STALE_S) == pytest.approx((2.0 + 0.64, 0))
+    assert pick(router, [a, b], chat(1)) == "prefill-b"
+
+
+def test_a_prompt_prefilled_lately_counts_as_cached_before_any_report_says_so(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report())
+    b.reported(report())
+    router = Router("cost", stale_s=STALE_S)
+    first = chat(0)
+    a.prompt_cached(first.hashes(16), 16)
+    assert pick(router, [a, b], chat(1)) == "prefill-a"  # the system prompt's 37 blocks
+    a.reported(report())  # one report later it is still remembered...
+    assert pick(router, [a, b], chat(1)) == "prefill-a"
+    a.reported(report())  # ...two later, only what the report says counts
+    assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
+
+
+def test_the_affinity_key_keeps_its_worker_within_the_slack(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report())
+    b.reported(report())
+    router = Router("cost", stale_s=STALE_S, affinity_slack_s=0.5)
+    homes = {}
+    for key in ("alice", "bob", "carol", "dave", "erin", "frank"):
+        job = Job(chat(1).prompt_ids, 32, affinity_key=key)
+        homes[key] = {pick(router, [a, b], job) for _ in range(4)}
+    assert all(len(h) == 1 for h in homes.values()), homes  # the same worker every time
+    assert set().union(*homes.values()) == {"prefill-a", "prefill-b"}  # keys spread over both
+    spread = Counter(
+        max(["prefill-a", "prefill-b"], key=lambda w: rendezvous(f"session-{i}", w))
+        for i in range(1000)
+    )
+    assert 450 <= spread["prefill-a"] <= 550, spread
+    # the home worker falls behind by more than the slack: the key moves
+    key = next(k for k, h in homes.items() if h == {"prefill-a"})
+    job = Job(chat(1).prompt_ids, 32, affinity_key=key)
+    a.reported(report(queue_s=0.4))
+    assert pick(router, [a, b], job) == "prefill-a"  # 1.04 s <= 0.64 s + 0.5 s
+    a.reported(report(queue_s=0.6))
+    assert pick(router, [a, b], job) == "prefill-b"  # 1.24 s > 1.14 s
+    # without the home worker, its keys go to the cheapest
+    assert pick(router, [a, b], job, exclude={"prefill-a"}) == "prefill-b"
+
+
+def test_ties_take_turns(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report())
+    b.reported(report())
+    router = Router("cost", stale_s=STALE_S)
+    picks = [pick(router, [a, b], chat(t)) for t in range(4)]
+    assert sorted(picks) == ["prefill-a", "prefill-a", "prefill-b", "prefill-b"]
+
+
+def test_decode_workers_by_free_blocks_then_batch(channel):
+    d1, d2 = worker(channel, "decode-1", "decode"), worker(channel, "decode-2", "decode")
+    router = Router("cost", stale_s=STALE_S)
+    job = chat(1)  # 640 + 32 tokens: 42 blocks of 16
+    d1.reported(report(running=1, free=500))
+    d2.reported(report(running=5, free=900))
+    assert pick(router, [d1, d2], job, decode=True) == "decode-1"  # the smaller batch
+    d1.reported(report(running=1, free=41))
+    assert pick(router, [d1, d2], job, decode=True) == "decode-2"  # d1 cannot take it now
+    d1.reported(report(running=3, free=500))
+    d1.sent(0, 42)
+    d1.sent(0, 42)
+    d1.sent(0, 42)  # 3 sent since its report: 6 sequences to d2's 5
+    assert pick(router, [d1, d2], job, decode=True) == "decode-2"
+
+
+def test_without_a_request_cost_picks_as_least_loaded(channel):
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.outstanding_tokens = 10
+    assert Router("cost").pick([a, b]).worker_id == "prefill-b"
+
+
+def test_bad_settings_say_what_is_allowed():
+    with pytest.raises(
+        ValueError, match="routing policy must be one of round_robin, least_loaded, cost"
+    ):
+        Router("fastest")
+    with pytest.raises(ValueError, match="affinity_slack_s must be >= 0 seconds, got -1"):
+        GatewayConfig(affinity_slack_s=-1)
+
+
+def test_the_prefix_summary_finds_the_leading_cached_blocks_and_stays_bounded():
+    hashes = prefix_block_hashes(list(range(160)), 16)  # 10 blocks
+    summary = PrefixSummary.build(16, hashes[:6])
+    assert summary.hit_blocks(hashes) == 6
+    assert summary.hit_blocks(prefix_block_hashes(list(range(1, 161)), 16)) == 0
+    assert len(summary.bloom) == 256  # the smallest filter
+    many = [i.to_bytes(4, "little") * 4 for i in range(100_000)]
+    assert len(PrefixSummary.build(16, many).bloom) == MAX_BYTES
+    assert len(PrefixSummary.build(16, many[:1000]).bloom) == 2048  # >= 10 bits per block
+    with pytest.raises(ValueError, match="power of two of at most 16384 bytes, got 300"):
+        PrefixSummary(16, 1, bytes(300))
+    # a summary that does not parse is treated as none (the worker is routed as cold)
+    broken = worker_pb2.WorkerStats()
+    broken.prefix_summary.CopyFrom(worker_pb2.PrefixSummary(block_size=16, bloom=bytes(300)))
+    assert Report.from_proto(broken, NOW).summary is None
+
+
+def test_false_positives_stay_near_one_percent():
+    def block_hash(i: int) -> bytes:  # as the allocator's: uniform 16 bytes
+        return hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+
+    cached = [block_hash(i) for i in range(2000)]
+    summary = PrefixSummary.build(16, cached)
+    assert all(h in summary for h in cached)
+    others = [block_hash(i) for i in range(2000, 22_000)]
+    rate = sum(h in summary for h in others) / len(others)
+    assert rate < 0.02, rate
