@@ -245,6 +245,9 @@ def test_metrics_agree_with_what_was_sent(traced, default_model_dir):
     assert _delta(*p, "pdserve_generated_tokens_total") == num
     assert _delta(*p, "pdserve_kv_transfer_bytes_count", direction="send") == num
     expected = sum(_kv_bytes(default_model_dir, len(ids)) for ids, _ in jobs)
+    # whole blocks the decode worker already held (decode-side prefix reuse) are not sent
+    reused = int(_delta(*d, "pdserve_kv_prefix_reused_tokens_total"))
+    expected -= _kv_bytes(default_model_dir, reused) - _kv_bytes(default_model_dir, 0)
     assert _delta(*p, "pdserve_kv_transfer_bytes_sum", direction="send") == expected
     assert _delta(*p, "pdserve_step_seconds_count", phase="prefill") >= 1
     # decode: the rest of the tokens, the same KV received, every block free again
