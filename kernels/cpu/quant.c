@@ -123,6 +123,7 @@ typedef __m512 V;
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vhsum(a) _mm512_reduce_add_ps(a)
 #define MRD 4 /* rows of x per direct pass */
+#define RN 4  /* weight rows side by side in the direct path, one row of x */
 #define TC 4  /* rows of x per tiled pass */
 #elif QISA == 256
 typedef __m256 V;
@@ -140,6 +141,7 @@ static inline float vhsum(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #define MRD 2
+#define RN 2
 #define TC 2
 #else
 typedef float V;
@@ -153,6 +155,7 @@ typedef float V;
 #define vadd(a, b) ((a) + (b))
 #define vhsum(a) (a)
 #define MRD 2
+#define RN 2
 #define TC 2
 #endif
 #define NV (QK / VL)
@@ -160,17 +163,16 @@ typedef float V;
 /* The 32 quants of block b as floats, unscaled (Q4_0: q - 8), into q[0 .. NV-1]. */
 ALWAYS void raw_block(int qt, const uint8_t *b, V *q) {
 #if QISA == 512
-    if (qt == Q4_0 || qt == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2)));
-        __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-        __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-        if (qt == Q4_0) {
-            il = _mm512_sub_epi32(il, _mm512_set1_epi32(8));
-            ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(8));
-        }
-        q[0] = _mm512_cvtepi32_ps(il);
-        q[1] = _mm512_cvtepi32_ps(ih);
+    if (qt == Q4_0 || qt == Q4_1) { /* byte j widened into lane j; the table lookup reads only
+                                       the index's low 4 bits: nibble j, then (>> 4) j + 16 */
+        const __m512 tbl = qt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
+                                                       4, 5, 6, 7)
+                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                       13, 14, 15);
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2))));
+        q[0] = _mm512_permutexvar_ps(v, tbl);
+        q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
     } else {
         const uint8_t *p = qt == Q8_0 ? b + 2 : b;
         for (int j = 0; j < 2; j++)
@@ -178,12 +180,13 @@ ALWAYS void raw_block(int qt, const uint8_t *b, V *q) {
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j))));
     }
 #elif QISA == 256
-    if (qt == Q4_0 || qt == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2)));
-        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        __m256i iv[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                         _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    if (qt == Q4_0 || qt == Q4_1) { /* bytes 0-7 and 8-15 widened: elements 0-15 low, 16-31 high */
+        const uint8_t *p = b + (qt == Q4_1 ? 4 : 2);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        const __m256i mask = _mm256_set1_epi32(15);
+        const __m256i iv[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask),
+                               _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
         for (int j = 0; j < 4; j++)
             q[j] = _mm256_cvtepi32_ps(qt == Q4_0 ? _mm256_sub_epi32(iv[j], _mm256_set1_epi32(8))
                                                  : iv[j]);
@@ -221,45 +224,127 @@ ALWAYS void dequant_block(int qt, const uint8_t *b, float rs, V *w) {
     }
 }
 
-#define U 4 /* blocks in flight per row of x in the direct path (one accumulator each) */
+#define U 4   /* blocks in flight per row of x in the direct path (one accumulator each) */
+#define PF 8192 /* bytes ahead of the weights' reads that the direct path prefetches */
+#define SG 16 /* blocks per group whose scales the direct path converts at once */
+#define XS_STRIDE(nb) (((nb) + SG - 1) / SG * SG) /* floats per row of x's block sums */
+
+/* The scales d (and for Q4_1 m) of the n <= SG blocks from blk as fp32 into d[0 .. SG-1] (m),
+ * zero past n: each block's first 4 bytes (d, then m or the first quants) gathered into a vector
+ * and converted VL at a time; halves staged through memory instead stall on store forwarding. */
+ALWAYS void group_scales(int qt, const uint8_t *blk, int64_t bb, int n, float *d, float *m) {
+#if QISA == 512
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)bb));
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                                  (__mmask16)((1u << n) - 1), at, blk, 1);
+    if (qt == Q4_1) { /* the d halves to the low 256 bits, the m halves to the high */
+        const __m512i h = _mm512_permutexvar_epi16(
+            _mm512_setr_epi32(0x20000, 0x60004, 0xa0008, 0xe000c, 0x120010, 0x160014, 0x1a0018, 0x1e001c, 0x30001, 0x70005, 0xb0009, 0xf000d, 0x130011, 0x170015, 0x1b0019, 0x1f001d),
+            g);
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+        _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    } else {
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+    }
+#elif QISA == 256
+    for (int j0 = 0; j0 < SG; j0 += 8) {
+        int32_t v[8];
+        for (int j = 0; j < 8; j++) {
+            v[j] = 0;
+            if (j0 + j < n) memcpy(v + j, blk + (j0 + j) * bb, 4);
+        }
+        const __m256i g = _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        for (int i = 0; i < (qt == Q4_1 ? 2 : 1); i++) {
+            const __m256i h = i ? _mm256_srli_epi32(g, 16) : _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+            const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            _mm256_storeu_ps((i ? m : d) + j0, _mm256_cvtph_ps(p));
+        }
+    }
+#else
+    for (int j = 0; j < SG; j++) {
+        d[j] = j < n ? f16_to_f32(blk + j * bb) : 0.0f;
+        if (qt == Q4_1) m[j] = j < n ? f16_to_f32(blk + j * bb + 2) : 0.0f;
+    }
+#endif
+}
 
 /* acc[c][u] += the block's dot product with rows c < mr of x: the unscaled quants multiplied
- * with x in registers, their sum scaled by d once (I8: the row's scale comes at the end); for
- * Q4_1 m times the block's sum of x (xs) goes into macc. */
-ALWAYS void direct_block(int qt, const uint8_t *blk, const float *x, const float *xs, int64_t K,
-                         int64_t nb, int64_t b, int mr, int u, V acc[MRD][U], float *macc) {
+ * with x in registers, their sum scaled by d once (I8: the row's scale comes at the end). */
+ALWAYS void direct_block(int qt, const uint8_t *blk, float d, const float *x, int64_t K, int64_t b,
+                         int mr, int u, V acc[MRD][U]) {
     V q[NV];
     raw_block(qt, blk, q);
-    const V d = vset1(qt == I8 ? 1.0f : f16_to_f32(blk));
-    const float m = qt == Q4_1 ? f16_to_f32(blk + 2) : 0.0f;
+    const V dv = vset1(d);
     for (int c = 0; c < mr; c++) {
         const float *xb = x + c * K + b * QK;
         V p = vmul(q[0], vload(xb));
         for (int j = 1; j < NV; j++) p = vfma(q[j], vload(xb + j * VL), p);
-        acc[c][u] = qt == I8 ? vadd(p, acc[c][u]) : vfma(p, d, acc[c][u]);
-        if (qt == Q4_1) macc[c] += m * xs[c * nb + b];
+        acc[c][u] = qt == I8 ? vadd(p, acc[c][u]) : vfma(p, dv, acc[c][u]);
     }
 }
 
-/* out[c] = x[c] . dequant(row) for c < mr (x rows of stride K; xs: their block sums, Q4_1). */
-ALWAYS void direct_row(int qt, int64_t bb, const uint8_t *row, float rs, const float *x,
-                       const float *xs, int64_t K, int mr, float *out) {
+/* out[r * mr + c] = x[c] . dequant(weight row r) for r < nr, c < mr (weight rows row_bytes
+ * apart, rs[r] their I8 scales; x rows of stride K; xs: their block sums, Q4_1, rows of
+ * XS_STRIDE floats, zero past the last block). The nr weight rows go through the blocks side by
+ * side (independent work for the out-of-order core, x loaded once per block for all of them)
+ * with U / nr blocks in flight each. Q4_1's m times the block's sum of x goes into macc, SG
+ * blocks per vector operation. */
+ALWAYS void direct_rows(int qt, int64_t bb, const uint8_t *row, int64_t row_bytes, int nr,
+                        const float *rs, const float *x, const float *xs, int64_t K, int mr,
+                        float *out) {
     const int64_t nb = K / QK;
-    V acc[MRD][U];
-    float macc[MRD];
-    for (int c = 0; c < mr; c++) {
-        macc[c] = 0.0f;
-        for (int u = 0; u < U; u++) acc[c][u] = vzero();
+    const int ue = U / nr;
+    V acc[RN][MRD][U], macc[RN][MRD];
+    float d[RN][SG], m[RN][SG];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < mr; c++) {
+            macc[r][c] = vzero();
+            for (int u = 0; u < ue; u++) acc[r][c][u] = vzero();
+        }
+    for (int64_t g = 0; g < nb; g += SG) {
+        const int n = nb - g < SG ? (int)(nb - g) : SG;
+        for (int r = 0; r < nr; r++) {
+            if (qt != I8) group_scales(qt, row + r * row_bytes + g * bb, bb, n, d[r], m[r]);
+            for (int c = 0; c < (qt == Q4_1 ? mr : 0); c++)
+                for (int j = 0; j < SG; j += VL)
+                    macc[r][c] = vfma(vload(m[r] + j), vload(xs + c * XS_STRIDE(nb) + g + j),
+                                      macc[r][c]);
+        }
+        int j = 0;
+        for (; j + ue <= n; j += ue)
+            for (int u = 0; u < ue; u++)
+                for (int r = 0; r < nr; r++) {
+#if QISA
+                    _mm_prefetch((const char *)(row + r * row_bytes + (g + j + u) * bb) + PF,
+                                 _MM_HINT_T0);
+#endif
+                    direct_block(qt, row + r * row_bytes + (g + j + u) * bb,
+                                 qt == I8 ? 1.0f : d[r][j + u], x, K, g + j + u, mr, u, acc[r]);
+                }
+        for (; j < n; j++)
+            for (int r = 0; r < nr; r++)
+                direct_block(qt, row + r * row_bytes + (g + j) * bb, qt == I8 ? 1.0f : d[r][j], x,
+                             K, g + j, mr, 0, acc[r]);
     }
-    int64_t b = 0;
-    for (; b + U <= nb; b += U)
-        for (int u = 0; u < U; u++)
-            direct_block(qt, row + (b + u) * bb, x, xs, K, nb, b + u, mr, u, acc, macc);
-    for (; b < nb; b++) direct_block(qt, row + b * bb, x, xs, K, nb, b, mr, 0, acc, macc);
-    for (int c = 0; c < mr; c++) {
-        const V a = vadd(vadd(acc[c][0], acc[c][1]), vadd(acc[c][2], acc[c][3]));
-        out[c] = (qt == I8 ? rs * vhsum(a) : vhsum(a)) + macc[c];
-    }
+    V a[RN * MRD];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < mr; c++) {
+            a[r * mr + c] = qt == Q4_1 ? vadd(acc[r][c][0], macc[r][c]) : acc[r][c][0];
+            for (int u = 1; u < ue; u++) a[r * mr + c] = vadd(a[r * mr + c], acc[r][c][u]);
+        }
+#if QISA == 512
+    if (nr * mr == 4) { /* the four sums reduced side by side */
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+        const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xee));
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    } else
+#endif
+        for (int i = 0; i < nr * mr; i++) out[i] = vhsum(a[i]);
+    for (int i = 0; qt == I8 && i < nr * mr; i++) out[i] *= rs[i / mr];
 }
 
 /* out[c * RT + r] = x[c] . w[r] for c < nc, r < nr: fp32 rows w (stride K) from scratch. */
@@ -283,7 +368,7 @@ typedef struct {
     const float *x; /* [M, K] fp32 */
     const uint8_t *w;
     const float *scale; /* I8: [N] */
-    const float *xs;    /* Q4_1, direct path: x's block sums [M, K / 32] */
+    const float *xs;    /* Q4_1, direct path: x's block sums [M, XS_STRIDE(K / 32)] */
     const void *bias;
     void *y;
     int64_t M, N, K, row_bytes;
@@ -315,24 +400,30 @@ ALWAYS void dequant_rows_qt(int qt, const uint8_t *w, const float *scale, int64_
 
 ALWAYS void rows_qt(int qt, const Problem *p, int64_t n0, int64_t n1, float *scratch) {
     const int64_t bb = pdserve_quant_block_bytes(qt), K = p->K, M = p->M;
-    float out[TC * RT > MRD ? TC * RT : MRD];
-    if (!scratch) { /* direct: passes of at most MRD rows of x */
-        for (int64_t n = n0; n < n1; n++) {
+    float out[TC * RT > MRD * RN ? TC * RT : MRD * RN];
+    if (!scratch) { /* direct: passes of at most MRD rows of x; one row: RN weight rows at once */
+        for (int64_t n = n0; n < n1;) {
+            const int nr = M == 1 && n1 - n >= RN ? RN : 1;
             const uint8_t *row = p->w + n * p->row_bytes;
-            const float rs = p->scale ? p->scale[n] : 0.0f;
+            float rs[RN] = {0};
+            for (int r = 0; r < nr && p->scale; r++) rs[r] = p->scale[n + r];
             for (int64_t m = 0; m < M; m += MRD) {
-                const float *xs = p->xs ? p->xs + m * (K / QK) : NULL;
+                const float *xs = p->xs ? p->xs + m * XS_STRIDE(K / QK) : NULL, *xm = p->x + m * K;
                 const int mr = M - m < MRD ? (int)(M - m) : MRD;
-                switch (mr) {
+                const int64_t rb = p->row_bytes;
+                switch (nr == RN ? 0 : mr) {
+                case 0: direct_rows(qt, bb, row, rb, RN, rs, xm, xs, K, 1, out); break;
 #if MRD == 4
-                case 4: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 4, out); break;
-                case 3: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 3, out); break;
+                case 4: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 4, out); break;
+                case 3: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 3, out); break;
 #endif
-                case 2: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 2, out); break;
-                default: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 1, out); break;
+                case 2: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 2, out); break;
+                default: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 1, out); break;
                 }
-                for (int c = 0; c < mr; c++) store(p, m + c, n, out[c]);
+                for (int r = 0; r < nr; r++)
+                    for (int c = 0; c < mr; c++) store(p, m + c, n + r, out[r * mr + c]);
             }
+            n += nr;
         }
         return;
     }
@@ -391,16 +482,18 @@ int pdserve_qlinear(const void *x, const uint8_t *w, int32_t qt, const float *sc
     const float *xin = xf ? xf : (const float *)x;
     float *xs = NULL;
     if (qt == Q4_1 && !tiled) { /* the block sums of x, for m */
-        xs = malloc((size_t)(M * (K / QK)) * sizeof *xs);
+        const int64_t nb = K / QK, stride = XS_STRIDE(nb);
+        xs = calloc((size_t)(M * stride), sizeof *xs);
         if (!xs) {
             free(xf);
             return -1;
         }
-        for (int64_t i = 0; i < M * (K / QK); i++) {
-            float t = 0.0f;
-            for (int j = 0; j < QK; j++) t += xin[i * QK + j];
-            xs[i] = t;
-        }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.0f;
+                for (int j = 0; j < QK; j++) t += xin[(r * nb + b) * QK + j];
+                xs[r * stride + b] = t;
+            }
     }
     const Problem p = {xin, w, scale, xs, bias, y, M, N, K, (K / QK) * bb, qt, bf16};
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
