@@ -142,7 +142,7 @@ static inline float vhsum(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #define MRD 2
-#define RN 2
+#define RN 4
 #define TC 2
 #else
 typedef float V;

@@ -13,6 +13,12 @@
 #define SG 16   /* blocks per group whose scales the direct path converts at once */
 #define XS_STRIDE(nb) (((nb) + SG - 1) / SG * SG) /* floats per row of x's block sums */
 
+static inline int32_t load32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* The scales d (and for Q4_1 m) of the n <= SG blocks from blk as fp32 into d[0 .. SG-1] (m),
  * zero past n: each block's first 4 bytes (d, then m or the first quants) gathered into a vector
  * and converted VL at a time; halves staged through memory instead stall on store forwarding. */
@@ -56,12 +62,17 @@ ALWAYS void group_scales(int qt, const uint8_t *blk, int64_t bb, int n, float *d
     }
 #elif QISA == 256
     for (int j0 = 0; j0 < SG; j0 += 8) {
-        int32_t v[8];
-        for (int j = 0; j < 8; j++) {
-            v[j] = 0;
-            if (j0 + j < n) memcpy(v + j, blk + (j0 + j) * bb, 4);
+        __m128i v[2]; /* built in registers: an array stored and loaded whole stalls */
+        for (int i = 0; i < 2; i++) {
+            const uint8_t *b = blk + (j0 + 4 * i) * bb;
+            const int left = n - j0 - 4 * i;
+            v[i] = left >= 4
+                       ? _mm_setr_epi32(load32(b), load32(b + bb), load32(b + 2 * bb),
+                                        load32(b + 3 * bb))
+                       : _mm_setr_epi32(left > 0 ? load32(b) : 0, left > 1 ? load32(b + bb) : 0,
+                                        left > 2 ? load32(b + 2 * bb) : 0, 0);
         }
-        const __m256i g = _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        const __m256i g = _mm256_setr_m128i(v[0], v[1]);
         for (int i = 0; i < (qt == Q4_1 ? 2 : 1); i++) {
             const __m256i h =
                 i ? _mm256_srli_epi32(g, 16) : _mm256_and_si256(g, _mm256_set1_epi32(0xffff));

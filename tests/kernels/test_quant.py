@@ -156,7 +156,7 @@ def test_linear_within_fp32_rounding(isa, reports, name, dtype):
 def test_direct_path_tails(isa, reports, name):
     """The direct path's partial pieces: K of 1, 16, 17 and 65 blocks (scales converted 16 blocks
     at a time: partial groups; 4 blocks in flight per row: partial unrolls), N around the weight rows
-    one row of x runs side by side (4 for AVX-512, 2 for AVX2: N % 4 of 0-3), one and two rows of
+    one row of x runs side by side (4; portable 2: N % 4 of 0-3), one and two rows of
     x, one and two threads (chunks of rows whose ends are not multiples of 4)."""
     lib = quant.library(isa)
     g = torch.Generator().manual_seed(5)
