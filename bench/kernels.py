@@ -10,6 +10,12 @@ write/transfer ops (sections prefill, copies).
 linear: every projection of the default model (30 layers of qkv, o, gate_up, down, and the
 lm_head), each layer's weights distinct so caches do not flatter, for a few rows of x: the C
 kernel (gemm.linear) vs torch's F.linear, ms per step and GB/s of weights read.
+
+quant: the same projections quantized (Q4_1, Q4_0, Q8_0; each layer its own weights, 84-143 MB,
+so they stream from memory), a few rows of fp32 x, quant.c's AVX-512 and AVX2 builds, ms per step
+and GB/s of packed weights read; with --quant-baseline OTHER.c (e.g. `git show
+main:kernels/cpu/quant.c > /tmp/quant_main.c`) that source too, alternating call by call in one
+run, and the ratio.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels import reference
-from pdserve.kernels.cpu import gemm, ops
+from pdserve.kernels import quantized, reference
+from pdserve.kernels.cpu import gemm, ops, quant
 
 BLOCK_SIZE = 16
 
@@ -245,7 +252,43 @@ def bench_linear(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     )
 
 
-SECTIONS = ("attention", "prefill", "copies", "linear")
+def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | None) -> None:
+    """One decode step's quantized projections per format, build and row count; this tree's
+    quant.c against ``baseline``'s (if given), alternating repeat by repeat."""
+    shapes = [shape for _ in range(NUM_LAYERS) for shape in LAYER_LINEARS] + [LM_HEAD]
+    for fmt in ("q4_1", "q4_0", "q8_0"):
+        weights = [quantized.quantize(torch.randn(n, k) / k**0.5, fmt) for n, k in shapes]
+        weight_gb = sum(w.data.numel() for w in weights) / 1e9
+        for isa in ("native", "avx2"):
+            libs = {"this": quant.library(isa)}
+            if baseline:
+                libs["baseline"] = quant.load(Path(baseline), isa)
+            for m in rows:
+                xs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+                ys = {n: torch.empty(m, n) for n in {n for n, _ in shapes}}
+                calls = [
+                    (xs[k].data_ptr(), w.data.data_ptr(), w.qtype, ys[n].data_ptr(), n, k)
+                    for w, (n, k) in zip(weights, shapes, strict=True)
+                ]
+                times: dict[str, list[float]] = {name: [] for name in libs}
+                for _ in range(repeats + 1):  # the first round warms up
+                    for name, lib in libs.items():
+                        fn = lib.pdserve_qlinear
+                        start = time.perf_counter()
+                        for x, w, qt, y, n, k in calls:
+                            fn(x, w, qt, None, None, y, m, n, k, 0, threads)
+                        times[name].append((time.perf_counter() - start) * 1e3)
+                ms = {name: statistics.median(t[1:]) for name, t in times.items()}
+                line = f"  quant {fmt} {isa:6s} M={m:<2d} this {ms['this']:6.2f} ms "
+                line += f"{weight_gb / ms['this'] * 1e3:5.1f} GB/s"
+                if baseline:
+                    line += f"   baseline {ms['baseline']:6.2f} ms "
+                    line += f"{weight_gb / ms['baseline'] * 1e3:5.1f} GB/s"
+                    line += f"   baseline/this {ms['baseline'] / ms['this']:4.2f}x"
+                print(line + f"   ({weight_gb * 1e3:.0f} MB)", flush=True)
+
+
+SECTIONS = ("attention", "prefill", "copies", "linear", "quant")
 
 
 def main() -> None:
@@ -256,6 +299,8 @@ def main() -> None:
     parser.add_argument(
         "--linear-rows", default="1,2,4,8,16,32", help="rows of x (tokens) for the linear section"
     )
+    parser.add_argument("--quant-rows", default="1,2,4", help="rows of x for the quant section")
+    parser.add_argument("--quant-baseline", help="another quant.c to compare (quant section)")
     args = parser.parse_args()
     sections = args.only or SECTIONS
     torch.set_num_threads(args.threads)
@@ -276,6 +321,9 @@ def main() -> None:
     rows = [int(m) for m in args.linear_rows.split(",")]
     for dtype in dtypes if "linear" in sections else ():
         bench_linear(dtype, rows, max(3, args.repeats // 10))
+    if "quant" in sections:
+        quant_rows = [int(m) for m in args.quant_rows.split(",")]
+        bench_quant(quant_rows, max(3, args.repeats // 5), args.threads, args.quant_baseline)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@
  *     block's sum is scaled once (d; Q4_1 adds m times the block's sum of x, I8 scales the row's
  *     sum): sum_k w x up to fp32 rounding, in fewer operations than scaling every weight
  *     (1.5-2.5x faster per block). The weights stream from memory once per pass at 0.56-1.06
- *     bytes per weight instead of 4 (fp32).
+ *     bytes per weight instead of 4 (fp32). In quant_direct.h: scales converted 16 blocks at a
+ *     time, one row of x against RN weight rows side by side.
  *   - tiled (more rows): RT weight rows at a time are dequantized into a per-thread fp32 scratch
  *     (RT * K floats, L1/L2 resident) and multiplied with all rows of x in passes of TC rows.
  *     The Python side sends many rows (prefill) to torch's GEMM on dequantized tiles instead.
@@ -123,6 +124,7 @@ typedef __m512 V;
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vhsum(a) _mm512_reduce_add_ps(a)
 #define MRD 4 /* rows of x per direct pass */
+#define RN 4  /* weight rows side by side in the direct path, one row of x */
 #define TC 4  /* rows of x per tiled pass */
 #elif QISA == 256
 typedef __m256 V;
@@ -140,6 +142,7 @@ static inline float vhsum(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #define MRD 2
+#define RN 4
 #define TC 2
 #else
 typedef float V;
@@ -153,6 +156,7 @@ typedef float V;
 #define vadd(a, b) ((a) + (b))
 #define vhsum(a) (a)
 #define MRD 2
+#define RN 2
 #define TC 2
 #endif
 #define NV (QK / VL)
@@ -160,17 +164,15 @@ typedef float V;
 /* The 32 quants of block b as floats, unscaled (Q4_0: q - 8), into q[0 .. NV-1]. */
 ALWAYS void raw_block(int qt, const uint8_t *b, V *q) {
 #if QISA == 512
-    if (qt == Q4_0 || qt == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2)));
-        __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-        __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-        if (qt == Q4_0) {
-            il = _mm512_sub_epi32(il, _mm512_set1_epi32(8));
-            ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(8));
-        }
-        q[0] = _mm512_cvtepi32_ps(il);
-        q[1] = _mm512_cvtepi32_ps(ih);
+    if (qt == Q4_0 || qt == Q4_1) { /* byte j widened into lane j; the table lookup reads only
+                                       the index's low 4 bits: nibble j, then (>> 4) j + 16 */
+        const __m512 tbl =
+            qt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                       : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2))));
+        q[0] = _mm512_permutexvar_ps(v, tbl);
+        q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
     } else {
         const uint8_t *p = qt == Q8_0 ? b + 2 : b;
         for (int j = 0; j < 2; j++)
@@ -178,12 +180,13 @@ ALWAYS void raw_block(int qt, const uint8_t *b, V *q) {
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j))));
     }
 #elif QISA == 256
-    if (qt == Q4_0 || qt == Q4_1) {
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (qt == Q4_1 ? 4 : 2)));
-        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        __m256i iv[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                         _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    if (qt == Q4_0 || qt == Q4_1) { /* bytes 0-7 and 8-15 widened: elements 0-15 low, 16-31 high */
+        const uint8_t *p = b + (qt == Q4_1 ? 4 : 2);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        const __m256i mask = _mm256_set1_epi32(15);
+        const __m256i iv[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask),
+                               _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
         for (int j = 0; j < 4; j++)
             q[j] = _mm256_cvtepi32_ps(qt == Q4_0 ? _mm256_sub_epi32(iv[j], _mm256_set1_epi32(8))
                                                  : iv[j]);
@@ -221,46 +224,7 @@ ALWAYS void dequant_block(int qt, const uint8_t *b, float rs, V *w) {
     }
 }
 
-#define U 4 /* blocks in flight per row of x in the direct path (one accumulator each) */
-
-/* acc[c][u] += the block's dot product with rows c < mr of x: the unscaled quants multiplied
- * with x in registers, their sum scaled by d once (I8: the row's scale comes at the end); for
- * Q4_1 m times the block's sum of x (xs) goes into macc. */
-ALWAYS void direct_block(int qt, const uint8_t *blk, const float *x, const float *xs, int64_t K,
-                         int64_t nb, int64_t b, int mr, int u, V acc[MRD][U], float *macc) {
-    V q[NV];
-    raw_block(qt, blk, q);
-    const V d = vset1(qt == I8 ? 1.0f : f16_to_f32(blk));
-    const float m = qt == Q4_1 ? f16_to_f32(blk + 2) : 0.0f;
-    for (int c = 0; c < mr; c++) {
-        const float *xb = x + c * K + b * QK;
-        V p = vmul(q[0], vload(xb));
-        for (int j = 1; j < NV; j++) p = vfma(q[j], vload(xb + j * VL), p);
-        acc[c][u] = qt == I8 ? vadd(p, acc[c][u]) : vfma(p, d, acc[c][u]);
-        if (qt == Q4_1) macc[c] += m * xs[c * nb + b];
-    }
-}
-
-/* out[c] = x[c] . dequant(row) for c < mr (x rows of stride K; xs: their block sums, Q4_1). */
-ALWAYS void direct_row(int qt, int64_t bb, const uint8_t *row, float rs, const float *x,
-                       const float *xs, int64_t K, int mr, float *out) {
-    const int64_t nb = K / QK;
-    V acc[MRD][U];
-    float macc[MRD];
-    for (int c = 0; c < mr; c++) {
-        macc[c] = 0.0f;
-        for (int u = 0; u < U; u++) acc[c][u] = vzero();
-    }
-    int64_t b = 0;
-    for (; b + U <= nb; b += U)
-        for (int u = 0; u < U; u++)
-            direct_block(qt, row + (b + u) * bb, x, xs, K, nb, b + u, mr, u, acc, macc);
-    for (; b < nb; b++) direct_block(qt, row + b * bb, x, xs, K, nb, b, mr, 0, acc, macc);
-    for (int c = 0; c < mr; c++) {
-        const V a = vadd(vadd(acc[c][0], acc[c][1]), vadd(acc[c][2], acc[c][3]));
-        out[c] = (qt == I8 ? rs * vhsum(a) : vhsum(a)) + macc[c];
-    }
-}
+#include "quant_direct.h"
 
 /* out[c * RT + r] = x[c] . w[r] for c < nc, r < nr: fp32 rows w (stride K) from scratch. */
 ALWAYS void tile_dot(const float *w, const float *x, int64_t K, int nc, int nr, float *out) {
@@ -283,7 +247,7 @@ typedef struct {
     const float *x; /* [M, K] fp32 */
     const uint8_t *w;
     const float *scale; /* I8: [N] */
-    const float *xs;    /* Q4_1, direct path: x's block sums [M, K / 32] */
+    const float *xs;    /* Q4_1, direct path: x's block sums [M, XS_STRIDE(K / 32)] */
     const void *bias;
     void *y;
     int64_t M, N, K, row_bytes;
@@ -291,7 +255,8 @@ typedef struct {
 } Problem;
 
 static inline void store(const Problem *p, int64_t m, int64_t n, float v) {
-    if (p->bias) v += p->bf16 ? bf16_to_f32(((const uint16_t *)p->bias)[n]) : ((const float *)p->bias)[n];
+    if (p->bias)
+        v += p->bf16 ? bf16_to_f32(((const uint16_t *)p->bias)[n]) : ((const float *)p->bias)[n];
     if (p->bf16)
         ((uint16_t *)p->y)[m * p->N + n] = f32_to_bf16(v);
     else
@@ -315,24 +280,30 @@ ALWAYS void dequant_rows_qt(int qt, const uint8_t *w, const float *scale, int64_
 
 ALWAYS void rows_qt(int qt, const Problem *p, int64_t n0, int64_t n1, float *scratch) {
     const int64_t bb = pdserve_quant_block_bytes(qt), K = p->K, M = p->M;
-    float out[TC * RT > MRD ? TC * RT : MRD];
-    if (!scratch) { /* direct: passes of at most MRD rows of x */
-        for (int64_t n = n0; n < n1; n++) {
+    float out[TC * RT > MRD * RN ? TC * RT : MRD * RN];
+    if (!scratch) { /* direct: passes of at most MRD rows of x; one row: RN weight rows at once */
+        for (int64_t n = n0; n < n1;) {
+            const int nr = M == 1 && n1 - n >= RN ? RN : 1;
             const uint8_t *row = p->w + n * p->row_bytes;
-            const float rs = p->scale ? p->scale[n] : 0.0f;
+            float rs[RN] = {0};
+            for (int r = 0; r < nr && p->scale; r++) rs[r] = p->scale[n + r];
             for (int64_t m = 0; m < M; m += MRD) {
-                const float *xs = p->xs ? p->xs + m * (K / QK) : NULL;
+                const float *xs = p->xs ? p->xs + m * XS_STRIDE(K / QK) : NULL, *xm = p->x + m * K;
                 const int mr = M - m < MRD ? (int)(M - m) : MRD;
-                switch (mr) {
+                const int64_t rb = p->row_bytes;
+                switch (nr == RN ? 0 : mr) {
+                case 0: direct_rows(qt, bb, row, rb, RN, rs, xm, xs, K, 1, out); break;
 #if MRD == 4
-                case 4: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 4, out); break;
-                case 3: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 3, out); break;
+                case 4: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 4, out); break;
+                case 3: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 3, out); break;
 #endif
-                case 2: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 2, out); break;
-                default: direct_row(qt, bb, row, rs, p->x + m * K, xs, K, 1, out); break;
+                case 2: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 2, out); break;
+                default: direct_rows(qt, bb, row, rb, 1, rs, xm, xs, K, 1, out); break;
                 }
-                for (int c = 0; c < mr; c++) store(p, m + c, n, out[c]);
+                for (int r = 0; r < nr; r++)
+                    for (int c = 0; c < mr; c++) store(p, m + c, n + r, out[r * mr + c]);
             }
+            n += nr;
         }
         return;
     }
@@ -391,16 +362,18 @@ int pdserve_qlinear(const void *x, const uint8_t *w, int32_t qt, const float *sc
     const float *xin = xf ? xf : (const float *)x;
     float *xs = NULL;
     if (qt == Q4_1 && !tiled) { /* the block sums of x, for m */
-        xs = malloc((size_t)(M * (K / QK)) * sizeof *xs);
+        const int64_t nb = K / QK, stride = XS_STRIDE(nb);
+        xs = calloc((size_t)(M * stride), sizeof *xs);
         if (!xs) {
             free(xf);
             return -1;
         }
-        for (int64_t i = 0; i < M * (K / QK); i++) {
-            float t = 0.0f;
-            for (int j = 0; j < QK; j++) t += xin[i * QK + j];
-            xs[i] = t;
-        }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.0f;
+                for (int j = 0; j < QK; j++) t += xin[(r * nb + b) * QK + j];
+                xs[r * stride + b] = t;
+            }
     }
     const Problem p = {xin, w, scale, xs, bias, y, M, N, K, (K / QK) * bb, qt, bf16};
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;

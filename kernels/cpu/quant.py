@@ -46,10 +46,15 @@ class QDesc(ctypes.Structure):
 def library(isa: str | None = None) -> ctypes.CDLL:
     """quant.c built for ``isa`` (``ISA_FLAGS``; None: ``PDSERVE_QUANT_ISA``); BuildError if it
     cannot be built."""
-    isa = isa or envs.quant_isa()
+    return load(_SOURCE, isa or envs.quant_isa())
+
+
+def load(source: Path, isa: str) -> ctypes.CDLL:
+    """``source`` (quant.c or another version of it, e.g. to benchmark against) built for
+    ``isa``, its entry points typed."""
     if isa not in ISA_FLAGS:
         raise ValueError(f"PDSERVE_QUANT_ISA={isa!r}; use one of {', '.join(ISA_FLAGS)}")
-    lib = load_library(_SOURCE, ISA_FLAGS[isa])
+    lib = load_library(source, ISA_FLAGS[isa])
     lib.pdserve_qlinear.argtypes = [_P, _P, _I32, _P, _P, _P, _I64, _I64, _I64, _I32, _I32]
     lib.pdserve_qlinear.restype = ctypes.c_int
     lib.pdserve_qdequant.argtypes = [_P, _I32, _P, _P, _I64, _I64, _I64, _P, _I32]

@@ -151,6 +151,32 @@ def test_linear_within_fp32_rounding(isa, reports, name, dtype):
 
 
 @needs_cc
+@pytest.mark.parametrize("isa,reports", ISAS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_direct_path_tails(isa, reports, name):
+    """The direct path's partial pieces: K of 1, 16, 17 and 65 blocks (scales converted 16 blocks
+    at a time: partial groups; 4 blocks in flight per row: partial unrolls), N around the weight rows
+    one row of x runs side by side (4; portable 2: N % 4 of 0-3), one and two rows of
+    x, one and two threads (chunks of rows whose ends are not multiples of 4)."""
+    lib = quant.library(isa)
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        for k, n, t in [(32, 1, 1), (32, 7, 1), (512, 4, 1), (544, 5, 1), (2080, 3, 1),
+                        (2080, 9, 1), (2080, 67, 2), (544, 301, 2)]:  # fmt: skip
+            torch.set_num_threads(t)
+            qw = Q.quantize(make_weight(n, k, seed=k + n), name)
+            w64 = Q.dequantize_reference(qw).double()
+            for m in (1, 2):
+                x = torch.randn(m, k, generator=g)
+                y = quant.linear(x, qw, lib=lib)
+                ref = x.double() @ w64.T
+                assert_fp32_sum_close(y, ref, x.double().abs() @ w64.abs().T, k)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cc
 def test_backend_linear_and_embedding_take_quantized_weights():
     """The CPU backend's ``linear`` sends a QuantizedWeight to quant.c; the reference backend
     dequantizes; the embedding lookup gives the dequantized rows exactly."""
