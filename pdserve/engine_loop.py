@@ -225,10 +225,15 @@ class EngineLoop:
             ids = [(1000 + 613 * i + k) % vocab for k in range(WARM_UP_TOKENS)]
             engine.add_request(ids, params, f"warm-up-{i}")
             while engine.has_unfinished_requests():
-                started = time.perf_counter()
-                engine.step()
+                _, seconds = self._timed_step()
                 if i:
-                    self.cost.observe(self._step_tokens, time.perf_counter() - started)
+                    self.cost.observe(self._step_tokens, seconds)
+
+    def _timed_step(self) -> tuple[list[RequestOutput], float]:
+        """One engine step and the seconds it took."""
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        return outputs, time.perf_counter() - started
 
     def _serve(self) -> None:
         while True:
@@ -252,9 +257,7 @@ class EngineLoop:
                     command = _NOTHING
             if not self.engine.has_unfinished_requests():
                 continue
-            started = time.perf_counter()
-            outputs = self.engine.step()
-            seconds = time.perf_counter() - started
+            outputs, seconds = self._timed_step()
             self.cost.observe(self._step_tokens, seconds)
             if self._step_seconds is not None:
                 self._step_seconds(seconds)
