@@ -46,6 +46,7 @@ def gateway_config(args) -> GatewayConfig:
         max_attempts=args.max_attempts,
         max_resumes=args.max_resumes,
         queue_timeout_s=args.queue_timeout,
+        outage_wait_s=args.outage_wait,
         api_keys_file=args.api_keys,
         local_prefill_tokens=args.local_prefill_tokens,
         decode_prefill_budget_s=args.decode_prefill_budget,
@@ -219,6 +220,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         default=GatewayConfig.max_resumes,
         help="times a request whose worker fails after tokens were streamed is continued on "
         "another worker",
+    )
+    gw.add_argument(
+        "--outage-wait",
+        type=float,
+        default=GatewayConfig.outage_wait_s,
+        help="seconds a request waits for a worker to come back when none is left to try "
+        "(restarting workers), if the cluster could serve within that long; 0: never waits",
     )
     gw.add_argument(
         "--local-prefill-tokens",

@@ -13,7 +13,11 @@ class GatewayConfig:
     ``max_attempts``: worker pairs tried before the first token; ``max_resumes``: how many times
     a request whose worker fails after tokens were streamed is continued on another worker (its
     prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a
-    request without a deadline waits while every decode worker is full; ``api_keys_file``: the
+    request without a deadline waits while every decode worker is full; ``outage_wait_s``: how
+    long a request waits when no worker is left for it to try (the workers are restarting, or
+    were evicted and not back yet) — if the cluster had a serving path within that long; a
+    gateway that never had one, or lost it longer ago, answers UNAVAILABLE at once (0: never
+    waits); ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
     ``local_prefill_tokens`` and ``decode_prefill_budget_s``: when a decode worker prefills a
@@ -49,6 +53,7 @@ class GatewayConfig:
     max_attempts: int = 3
     max_resumes: int = 3
     queue_timeout_s: float = 300.0
+    outage_wait_s: float = 30.0
     api_keys_file: str | None = None
     local_prefill_tokens: int = 32
     decode_prefill_budget_s: float = 0.5
@@ -91,6 +96,10 @@ class GatewayConfig:
         if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:
             raise ValueError(
                 f"local_prefill_tokens must be an integer >= 0, got {self.local_prefill_tokens!r}"
+            )
+        if not self.outage_wait_s >= 0:
+            raise ValueError(
+                f"outage_wait_s must be >= 0 seconds (0: never waits), got {self.outage_wait_s}"
             )
         if not self.decode_prefill_budget_s >= 0:
             raise ValueError(

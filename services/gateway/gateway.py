@@ -27,6 +27,7 @@ from pdserve.services.gateway import cost as costs
 from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
+from pdserve.services.gateway.calls import WorkerFailed, chunk, evicted, read
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
@@ -217,8 +218,10 @@ class Gateway:
         self, req: GatewayRequest, ids, params, text: TextStream, timeout
     ) -> AsyncIterator[Delta]:
         cfg = self.config
-        tried: set[str] = set()  # failed for this request: not asked again
+        # failed for this request: not asked again unless it comes back (restarted, rejoined)
+        tried: dict[str, int] = {}  # worker id -> its incarnation then
         full: set[str] = set()  # refused admission (RESOURCE_EXHAUSTED): asked again once it frees
+        outage_since = None  # loop.time() since when no worker is left to try
         loop = asyncio.get_running_loop()
         # Queue at most queue_timeout_s, and never past the request's own deadline.
         queue_s = cfg.queue_timeout_s if timeout is None else min(timeout, cfg.queue_timeout_s)
@@ -237,13 +240,21 @@ class Gateway:
                 replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
             )
             job = Job(try_ids, try_params.max_tokens, req.affinity_key)
-            stream = self._pick(req, next(tries), job, try_params, timeout, tried | full)
+            exclude = self.registry.still_failed(tried) | full
+            stream = self._pick(req, next(tries), job, try_params, timeout, exclude)
             if stream is None:
                 if not full:
-                    break
+                    # No worker left to try: wait for one to come back (restarted, rejoined)
+                    # through an outage of at most outage_wait_s, within the queue bound.
+                    now = loop.time()
+                    if outage_since is None:
+                        outage_since = now
+                        req.log.warning("request.waiting_for_worker", error=last_error)
+                    if not self._in_outage(now - outage_since) or now >= give_up_at:
+                        break
                 # Every decode worker is full: queue here until one of our requests ends (or a poll
                 # interval passes: other gateways' requests free blocks too).
-                if loop.time() >= give_up_at:
+                elif loop.time() >= give_up_at:
                     raise GatewayError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"every decode worker stayed full for {queue_s:g} s",
@@ -259,6 +270,7 @@ class Gateway:
                     self.metrics.waiting.dec()
                 full.clear()
                 continue
+            outage_since = None
             sent_before = len(sent)
             try:
                 async for token_ids, logprobs, finish, num_cached in stream:
@@ -278,11 +290,11 @@ class Gateway:
                     yield delta
                     if finish:
                         return
-                raise _WorkerFailed(None, "worker stream ended without a finish reason")
-            except _WorkerFailed as e:
+                raise WorkerFailed(None, "worker stream ended without a finish reason")
+            except WorkerFailed as e:
                 if len(sent) > sent_before:  # this try streamed, then failed: go on elsewhere
                     if e.worker is not None:
-                        tried.add(e.worker.worker_id)
+                        tried[e.worker.worker_id] = e.worker.incarnation
                         e.worker.failures += 1
                     if resumes >= cfg.max_resumes:
                         raise GatewayError(
@@ -304,7 +316,7 @@ class Gateway:
                 if e.code is not None and e.code not in RETRYABLE:
                     raise GatewayError(e.code, str(e)) from None
                 if e.worker is not None:
-                    tried.add(e.worker.worker_id)
+                    tried[e.worker.worker_id] = e.worker.incarnation
                     e.worker.failures += 1
                 attempts += 1
                 self.metrics.retries.inc()
@@ -314,6 +326,15 @@ class Gateway:
         raise GatewayError(
             grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {last_error}"
         )
+
+    def _in_outage(self, waited: float) -> bool:
+        """Whether a request that has found no worker to try for ``waited`` seconds waits on: for
+        at most outage_wait_s, and only when the cluster could serve that recently (a gateway
+        that never had a worker, or lost them all long ago, fails fast)."""
+        limit = self.config.outage_wait_s
+        self.registry.can_serve()  # notes the time if a path is there now
+        seen = self.registry.path_seen
+        return waited < limit and seen is not None and time.monotonic() - seen < limit
 
     def _pick(self, req: GatewayRequest, attempt: int, job: Job, params, timeout, exclude):
         """The token stream of the next pair to try, or None when no worker is left."""
@@ -364,12 +385,12 @@ class Gateway:
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.track(call)
         try:
-            async for msg in _read(call, worker):
+            async for msg in read(call, worker):
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
                     costs.prompt_prefilled(worker, job)
-                yield _chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
+                yield chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
             worker.outstanding_tokens -= cost
             worker.done(sent_at, len(ids), blocks)
@@ -403,10 +424,10 @@ class Gateway:
         decode.track(call)
         prefill_done = False
         try:
-            reader = _read(call, decode)
+            reader = read(call, decode)
             first = await anext(reader, None)
             if first is None or not first.HasField("admitted"):
-                raise _WorkerFailed(decode, "decode worker did not admit the request")
+                raise WorkerFailed(decode, "decode worker did not admit the request")
             prefill_call = prefill.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=rid,
@@ -426,11 +447,11 @@ class Gateway:
                 costs.prompt_prefilled(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except grpc.aio.AioRpcError as e:
-                raise _WorkerFailed(
+                raise WorkerFailed(
                     prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
                 ) from None
             except asyncio.CancelledError:
-                raise _evicted(prefill) from None
+                raise evicted(prefill) from None
             finally:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= len(ids)
@@ -439,7 +460,7 @@ class Gateway:
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
             async for msg in reader:
-                yield _chunk(msg.tokens, resp.cached_prompt_tokens)
+                yield chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
             decode.outstanding_tokens -= cost
             decode.done(decode_sent_at, 0, blocks)
@@ -449,49 +470,3 @@ class Gateway:
                 prefill.done(prefill_sent_at, len(ids))
             call.cancel()
             await self._released()
-
-
-def _chunk(c: worker_pb2.TokenChunk, num_cached: int):
-    """What a worker stream yields: token ids, their logprobs, the finish reason, and the prompt
-    tokens the worker that computed the prompt took from its prefix cache."""
-    return (
-        list(c.token_ids),
-        [logprobs_from_proto(p) for p in c.logprobs],
-        c.finish_reason,
-        num_cached,
-    )
-
-
-class _WorkerFailed(Exception):
-    def __init__(
-        self, worker: Worker | None, message: str, code: grpc.StatusCode | None = None
-    ) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.code = code
-
-
-async def _read(call, worker: Worker):
-    try:
-        async for msg in call:
-            worker.progressed()
-            yield msg
-    except grpc.aio.AioRpcError as e:
-        raise _WorkerFailed(
-            worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()
-        ) from None
-    except asyncio.CancelledError:
-        raise _evicted(worker) from None
-
-
-def _evicted(worker: Worker) -> BaseException:
-    """What a call the gateway cancelled becomes: the worker failed, when it was evicted (the
-    request goes on elsewhere); the cancellation itself otherwise (the client went away)."""
-    task = asyncio.current_task()
-    if worker.evicted is None or (task is not None and task.cancelling()):
-        return asyncio.CancelledError()
-    return _WorkerFailed(
-        worker,
-        f"{worker.role} worker {worker.address} was evicted: {worker.evicted}",
-        grpc.StatusCode.UNAVAILABLE,
-    )

@@ -31,6 +31,9 @@ class Worker:
     # registered again after an eviction: not routed to until a probe passes (gateway/watchdog.py)
     probation: bool = False
     deregistered: bool = False  # it left (draining, unhealthy engine) until it registers again
+    # counts its comebacks (registered again after it was evicted, left or expired; a probe passed
+    # after probation): a request that saw it fail tries it again once it came back
+    incarnation: int = 0
     # time.monotonic() of the last message the gateway read from it (watchdog.py's progress watch)
     last_progress: float = field(default_factory=time.monotonic)
     # What its heartbeats report (gateway/cost.py Report), and what this gateway sent there
@@ -137,6 +140,8 @@ class WorkerRegistry:
         # set by the hang watchdog: an evicted worker that registers again is on probation (not
         # routed to) until one of its probes passes
         self.probation_on_rejoin = False
+        # time.monotonic() when can_serve() last found a serving path (None: never)
+        self.path_seen: float | None = None
 
     def register(
         self, worker_id: str, role: str, address: str, compat_hash: str, static: bool = False
@@ -160,6 +165,8 @@ class WorkerRegistry:
                 return old
             if old.evicted is not None and self.probation_on_rejoin:
                 old.probation = True
+            if not old.registered or old.deregistered:
+                old.incarnation += 1
             old.evicted = None
             old.deregistered = False
             old.lease_expires = time.monotonic() + self.lease_s
@@ -205,6 +212,7 @@ class WorkerRegistry:
         led to its eviction; least_loaded would otherwise pass it over while another is idle)."""
         worker.probation = False
         worker.failures = 0
+        worker.incarnation += 1
         self._changed()
 
     def heartbeat(self, worker_id: str, report=None) -> bool:
@@ -220,8 +228,21 @@ class WorkerRegistry:
     def alive(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
+    def still_failed(self, failed: dict[str, int]) -> set[str]:
+        """Of ``failed`` (worker id -> its incarnation when it failed a request), the ids of those
+        that have not come back since."""
+        return {
+            wid
+            for wid, n in failed.items()
+            if wid in self.workers and self.workers[wid].incarnation == n
+        }
+
     def can_serve(self) -> bool:
         """A request can be served: there is a decode worker (with a prefill worker the request is
         disaggregated; without one, the decode worker prefills locally, the counted fallback) or a
-        colocated worker. Prefill workers alone serve nothing. Mirrors ``Gateway._pick``."""
-        return bool(self.alive("decode") or self.alive("colocated"))
+        colocated worker. Prefill workers alone serve nothing. Mirrors ``Gateway._pick``. Notes
+        the time in ``path_seen`` when True (the gateway's health loop asks at least every second)."""
+        serving = bool(self.alive("decode") or self.alive("colocated"))
+        if serving:
+            self.path_seen = time.monotonic()
+        return serving

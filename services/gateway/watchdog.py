@@ -2,7 +2,7 @@
 progressing, so that its requests resume elsewhere (``gateway._route``'s mid-stream resume).
 
 - **Progress.** ``Worker.last_progress`` is stamped by the gateway each time a message arrives
-  from the worker (``gateway._read``, the Prefill call's answer). A worker with calls of the
+  from the worker (``calls.read``, the Prefill call's answer). A worker with calls of the
   gateway running there (or outstanding tokens) and no message for ``suspect_after_s`` is
   *suspect*: logged, and both its probes run at once (and again each suspect_after_s while
   it stays suspect, each kind one at a time).

@@ -17,7 +17,7 @@ MAX_TOKENS = 96
 
 
 def test_sigterm_drains_a_decode_worker_its_streams_finish_and_it_exits_0():
-    c = start_cluster()
+    c = start_cluster("--outage-wait", "0")  # no waiting for a decode worker to come back
     try:
         c.start_worker("prefill", "prefill")
         c.start_worker("decode", "decode", "--drain-timeout", "120")

@@ -160,8 +160,13 @@ class Cluster:
                         # test of placement.py asks otherwise
                         decode_prefill_budget_s=decode_prefill_budget_s,
                         # hang detection off without a config (its probes would race the tests
-                        # that stop workers and count retries); a config has it at its defaults
-                        **({"probe_interval_s": 0.0} if config is None else config),
+                        # that stop workers and count retries), and no waiting for stopped
+                        # workers to come back; a config has both at their defaults
+                        **(
+                            {"probe_interval_s": 0.0, "outage_wait_s": 0.0}
+                            if config is None
+                            else config
+                        ),
                     ),
                     metrics_port=-1,
                     http_port=0 if http else -1,

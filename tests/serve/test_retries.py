@@ -125,3 +125,46 @@ def test_a_worker_with_another_kv_layout_is_refused_at_registration(cluster):
     assert "start every worker with the same model, dtype and block size" in str(err.value)
     assert [w.role for w in c.gateway.registry.workers.values()] == ["decode"]
     assert_no_leaks(c.live())
+
+
+def test_a_stream_whose_only_decode_worker_is_lost_waits_for_one_to_come_back(cluster):
+    """Outage wait: nowhere to resume, so the request waits; a decode worker that registers
+    meanwhile (a restarted one has a new id) takes the stream on, and the output is unchanged."""
+    c = cluster(prefill=1, decode=1, config={"probe_interval_s": 0.0, "outage_wait_s": 60.0})
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with Client(c.address, timeout=60) as client:
+        want = client.complete([5, 6, 7], params)
+        stream = client.generate_stream([5, 6, 7], params)
+        got = list(next(stream).token_ids) + list(next(stream).token_ids)
+        c.stop_worker("decode-0")
+        waiting = "pdserve_requests_waiting"
+        wait_until(lambda: c.gateway_metric(waiting) == 1, 10, "the request to wait")
+        c.start_worker("decode-1", "decode")
+        for delta in stream:
+            got += delta.token_ids
+    assert got == want.token_ids and len(got) == 40
+    assert c.gateway_metric(waiting) == 0
+    assert c.gateway_metric("pdserve_resumes_total") == 1
+    assert c.served("decode-1") == 1
+    assert_no_leaks(c.live())
+
+
+def test_past_the_outage_wait_and_with_no_worker_ever_the_client_gets_unavailable(cluster):
+    c = cluster(prefill=0, decode=0, config={"probe_interval_s": 0.0, "outage_wait_s": 60.0})
+    with Client(c.address, timeout=60) as client, pytest.raises(grpc.RpcError) as err:
+        client.complete([1, 2, 3], PARAMS)  # never had a worker: no wait
+    assert err.value.details() == "no worker could serve the request: no worker is registered"
+    c = cluster(prefill=1, decode=1, config={"probe_interval_s": 0.0, "outage_wait_s": 0.5})
+    with Client(c.address, timeout=60) as client:
+        stream = client.generate_stream(
+            [5, 6, 7], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+        )
+        next(stream), next(stream)
+        c.stop_worker("decode-0")
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details().startswith("no worker could serve the request: resuming after ")
+    assert c.gateway_metric("pdserve_requests_waiting") == 0
+    assert_no_leaks(c.live())

@@ -25,7 +25,7 @@ def test_gateway_defaults_are_gateway_configs():
 def test_gateway_options_reach_the_config():
     args = build_parser().parse_args(
         "gateway --policy round_robin --lease 3 --kv-timeout 7 --max-attempts 5 --max-resumes 2 "
-        "--queue-timeout 9 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
+        "--queue-timeout 9 --outage-wait 4 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
         "--suspect-after 2 --probe-timeout 0.25 --real-probe-timeout 1.5 "
         "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25 "
         "--stuck-step-floor 1.5 --stuck-step-factor 3 --affinity-slack 2".split()
@@ -37,6 +37,7 @@ def test_gateway_options_reach_the_config():
         max_attempts=5,
         max_resumes=2,
         queue_timeout_s=9.0,
+        outage_wait_s=4.0,
         api_keys_file="k.json",
         local_prefill_tokens=8,
         decode_prefill_budget_s=0.25,
@@ -85,6 +86,7 @@ def test_every_gateway_config_field_has_an_option():
         "max_attempts",
         "max_resumes",
         "queue_timeout",
+        "outage_wait",
         "api_keys",
         "local_prefill_tokens",
         "decode_prefill_budget",

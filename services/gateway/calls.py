@@ -1,0 +1,60 @@
+"""What the gateway reads from its calls to workers: token chunks, and a worker's failure as
+``WorkerFailed`` (the request goes on elsewhere) or the caller's own cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from pdserve.services.gateway.registry import Worker
+
+from pdserve.v1 import worker_pb2
+from pdserve.v1.convert import logprobs_from_proto
+
+
+def chunk(c: worker_pb2.TokenChunk, num_cached: int):
+    """What a worker stream yields: token ids, their logprobs, the finish reason, and the prompt
+    tokens the worker that computed the prompt took from its prefix cache."""
+    return (
+        list(c.token_ids),
+        [logprobs_from_proto(p) for p in c.logprobs],
+        c.finish_reason,
+        num_cached,
+    )
+
+
+class WorkerFailed(Exception):
+    """A worker failed a call (``worker`` None: unknown which); ``code``: its gRPC status."""
+
+    def __init__(
+        self, worker: Worker | None, message: str, code: grpc.StatusCode | None = None
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.code = code
+
+
+async def read(call, worker: Worker):
+    try:
+        async for msg in call:
+            worker.progressed()
+            yield msg
+    except grpc.aio.AioRpcError as e:
+        raise WorkerFailed(
+            worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()
+        ) from None
+    except asyncio.CancelledError:
+        raise evicted(worker) from None
+
+
+def evicted(worker: Worker) -> BaseException:
+    """What a call the gateway cancelled becomes: the worker failed, when it was evicted (the
+    request goes on elsewhere); the cancellation itself otherwise (the client went away)."""
+    task = asyncio.current_task()
+    if worker.evicted is None or (task is not None and task.cancelling()):
+        return asyncio.CancelledError()
+    return WorkerFailed(
+        worker,
+        f"{worker.role} worker {worker.address} was evicted: {worker.evicted}",
+        grpc.StatusCode.UNAVAILABLE,
+    )
