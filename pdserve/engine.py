@@ -93,8 +93,9 @@ class LLMEngine:
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.last_step: StepWork | None = None  # the latest step's batch, counted (roofline.py)
-        # told the number of tokens of each step once it is scheduled (EngineLoop's progress)
-        self.on_schedule: Callable[[int], None] | None = None
+        # told each step's token count once it is scheduled; may return a callable to be told of
+        # each layer done in that step (EngineLoop: progress marks within long steps)
+        self.on_schedule: Callable[[int], Callable[[int], None] | None] | None = None
         self.prefill_token_s = 0.0  # measured by step(); 0 until a prompt was computed
         self._prefill_avg = [0.0, 0.0]  # seconds, tokens
 
@@ -239,9 +240,8 @@ class LLMEngine:
         self.last_step = StepWork.of(batch) if batch else None
         if not batch:
             return []
-        if self.on_schedule is not None:
-            self.on_schedule(batch.num_tokens)
-        on_layer = self.kv_out.on_layer if self.kv_out else None
+        layer_done = self.on_schedule(batch.num_tokens) if self.on_schedule is not None else None
+        on_layer = _each_layer(self.kv_out.on_layer if self.kv_out else None, layer_done)
         started = time.perf_counter()
         seqs, tokens, logprobs = self.runner.run(batch, on_layer)
         if batch.prefills:
@@ -313,3 +313,20 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
+
+
+def _each_layer(
+    on_layer: Callable | None, layer_done: Callable[[int], None] | None
+) -> Callable | None:
+    """The runner's per-layer hook: the KV connector's (ships the layer), then ``layer_done(i)``
+    (the engine loop's progress mark); None when neither wants one (no call per layer)."""
+    if layer_done is None:
+        return on_layer
+    if on_layer is None:
+        return lambda batch, i, k, v: layer_done(i)
+
+    def both(batch, i, k, v) -> None:
+        on_layer(batch, i, k, v)
+        layer_done(i)
+
+    return both

@@ -39,6 +39,7 @@ from pdserve.step_cost import EngineProgress, StepCost
 
 T = TypeVar("T")
 WARM_UP_TOKENS = 64  # prompt tokens of each warm-up generation
+LAYER_MARKS_S = 0.25  # steps predicted at least this long mark each layer done (progress())
 
 
 class EngineDeadError(RuntimeError):
@@ -86,6 +87,11 @@ class EngineLoop:
         self.cost = StepCost()
         self._step_tokens = 0  # of the step running now (0: commands only, so far)
         self._step_predicted_s = 0.0
+        # Steps predicted longer than LAYER_MARKS_S mark each layer done: progress() then
+        # covers the time since the last mark against a layer's share of the prediction, so a
+        # stuck engine shows within seconds however long its steps are.
+        self._layer_at: float | None = None  # monotonic time of the last mark in this step
+        self._layers = engine.model_config.num_layers
         engine.on_schedule = self._scheduled
         self._lock = threading.Lock()  # orders "dead" against commands being queued
         self.error: BaseException | None = None  # why the thread ended (None: stopped, or running)
@@ -121,14 +127,28 @@ class EngineLoop:
         return 0.0 if since is None else time.monotonic() - since
 
     def progress(self) -> EngineProgress:
-        """Steps done, and the current work's time so far and prediction (from any thread)."""
-        predicted = self._step_predicted_s
-        return EngineProgress(self.num_steps, self.busy_for(), predicted)
+        """Steps done, and the current work's time so far and prediction (from any thread). In a
+        step that marks its layers: the time since the last mark (or the step's start) and one
+        layer's share of the step's prediction (the last share: norm, logits, sampling)."""
+        predicted, layer_at = self._step_predicted_s, self._layer_at
+        busy = self.busy_for()
+        if layer_at is not None and busy > 0:
+            busy = min(busy, time.monotonic() - layer_at)
+            predicted /= self._layers + 1
+        return EngineProgress(self.num_steps, busy, predicted)
 
-    def _scheduled(self, num_tokens: int) -> None:
-        """Engine thread, the batch of the step about to run is known: predict its time."""
+    def _scheduled(self, num_tokens: int) -> Callable[[int], None] | None:
+        """Engine thread, the batch of the step about to run is known: predict its time; a long
+        step is to mark its layers (``_layer_done``)."""
         self._step_tokens = num_tokens
-        self._step_predicted_s = self.cost.predict(num_tokens)
+        self._step_predicted_s = predicted = self.cost.predict(num_tokens)
+        if predicted < LAYER_MARKS_S:
+            return None
+        self._layer_at = time.monotonic()
+        return self._layer_done
+
+    def _layer_done(self, layer: int) -> None:
+        self._layer_at = time.monotonic()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` in the engine thread between steps; its result or exception comes
@@ -239,7 +259,7 @@ class EngineLoop:
         while True:
             # Block for work only when the engine has none; otherwise drain commands and step.
             block = not self.engine.has_unfinished_requests()
-            self._step_tokens, self._step_predicted_s = 0, 0.0
+            self._step_tokens, self._step_predicted_s, self._layer_at = 0, 0.0, None
             if block:
                 self._busy_since = None
             try:

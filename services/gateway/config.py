@@ -42,8 +42,9 @@ class GatewayConfig:
     steps, pdserve/step_cost.py). The watchdog asks again when a running step would reach that
     bound, so such a worker is evicted at most bound + 0.25 s + a Stats round trip after the
     step began: 2.25 s and a few ms by default for a step predicted at 0.5 s or less (commands
-    and decode steps), <= 5 s for one predicted at up to ~1.1 s; a longer step (a CPU prefill
-    chunk of seconds) gets 4 times its prediction. Any of prefill, decode and colocated
+    and decode steps). A step predicted longer than 0.25 s (a CPU prefill chunk of seconds)
+    marks each layer done, and what is bounded is then the time since the last mark against a
+    layer's share of the prediction: 2.25 s too, however long the step. Any of prefill, decode and colocated
     workers; the real probe (``engine_timeout_s``) stays the backstop. Workers warm up before
     they serve (EngineLoop._warm_up), so a prediction is measured before the first request."""
 

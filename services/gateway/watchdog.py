@@ -20,7 +20,8 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
   own recent steps (pdserve/step_cost.py). A step past max(``stuck_step_floor_s``,
   ``stuck_step_factor`` x its prediction) while Stats answers is a stuck engine: the worker is
   evicted at once (reason ``engine_stuck``). A long step that is predicted long (a CPU prefill
-  chunk) is not. The next fast probe is brought forward to the moment a running step would
+  chunk) is not; such a step marks its layers (EngineLoop.progress), so what Stats reports for
+  it is the time since its last layer against one layer's share of its prediction. The next fast probe is brought forward to the moment a running step would
   reach its bound, so the eviction comes at most that bound + ``TICK_S`` + a Stats round trip
   after the step began (about 2.3 s by default). The real probe remains the backstop.
 - A prefill worker has no real probe (Prefill needs a KV destination on a decode worker): its

@@ -135,7 +135,9 @@ def test_a_prefill_worker_whose_engine_hangs_is_evicted_and_its_requests_retried
 def test_a_worker_in_long_but_predicted_steps_is_not_evicted(default_model_dir):
     # The real default model, 256-token prefill chunks: each step takes far longer than a 0.3 s
     # floor on a CPU, and passes only because it is predicted from the ones before it
-    # (pdserve/step_cost.py). Probed every 20 ms.
+    # (pdserve/step_cost.py), or, predicted past LAYER_MARKS_S, because its layers mark progress
+    # (what Stats reports is then the time since the last layer against a layer's share). Probed
+    # every 20 ms.
     floor = 0.3
     config = dict(stuck_step_floor_s=floor, probe_interval_s=0.02, suspect_after_s=5.0)
     c = start_cluster(default_model_dir, prefill=0, decode=0, config=config)
@@ -145,13 +147,13 @@ def test_a_worker_in_long_but_predicted_steps_is_not_evicted(default_model_dir):
         )
         prompts = [[5 + (i * 257 + j) % 40000 for j in range(256)] for i in range(4)]
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        seen: list[tuple[float, float]] = []  # (busy_s, predicted_s) of steps past the floor
+        seen: list[tuple[float, float]] = []  # (busy_s, predicted_s) while a step runs
         done = threading.Event()
 
         def watch() -> None:
             while not done.is_set():
                 s = worker_stats(w.address, "colocated")
-                if s.engine_busy_s > floor:
+                if s.engine_busy_s > 0:
                     seen.append((s.engine_busy_s, s.engine_step_predicted_s))
                 time.sleep(0.01)
 
@@ -163,11 +165,11 @@ def test_a_worker_in_long_but_predicted_steps_is_not_evicted(default_model_dir):
                 done.set()
             watching.result(10)
         assert [len(g) for g in got] == [3] * 4
-        # steps past the floor, predicted from measured ones (not the first step's default)
+        # steps predicted from measured ones (not the first step's default), never past the bound
         measured = [(b, p) for b, p in seen if 0 < p < UNMEASURED_STEP_S]
-        assert measured, f"no measured step outran the floor: {seen}"
+        assert measured, f"no step was seen running: {seen}"
         factor = GatewayConfig.stuck_step_factor
-        assert all(b <= factor * p for b, p in seen), seen
+        assert all(b <= max(floor, factor * p) for b, p in seen), seen
         assert c.gateway_metric("pdserve_evictions_total", reason="engine_stuck") == 0
         assert c.gateway_metric("pdserve_probes_total", kind="fast", result="ok") > 10
         assert _listed(c, "colocated-0").alive
@@ -290,3 +292,64 @@ def test_workers_have_measured_steps_before_their_first_request(cluster):
     for w in c.workers.values():
         assert w.worker.loop.cost.predict(64) < UNMEASURED_STEP_S
     assert_no_leaks(c.live())
+
+
+def test_an_engine_stuck_inside_a_long_step_is_evicted_within_the_floor(default_model_dir):
+    # The real default model, one 1,024-token prefill chunk per step: predicted far above
+    # LAYER_MARKS_S, so each layer done is a progress mark, and a layer that never ends is caught
+    # at max(floor, 4 x a layer's share) = the 2 s floor, not at 4 x the whole step's prediction.
+    c = start_cluster(default_model_dir, prefill=0, decode=0, config={})
+    try:
+        workers = [
+            c.start_worker(
+                f"colocated-{i}", "colocated", max_num_batched_tokens=1024, kv_cache_bytes=64 << 20
+            )
+            for i in range(2)
+        ]
+        prompt = [5 + (j * 257) % 40000 for j in range(1000)]
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        with Client(c.address, timeout=120) as client:
+            want = list(client.complete(prompt, params).token_ids)
+        held, release = threading.Event(), threading.Event()
+        predicted: list[float] = []
+
+        def hang_in_layer_10(loop):
+            scheduled = loop.engine.on_schedule
+
+            def on_schedule(num_tokens: int):
+                mark = scheduled(num_tokens)
+                if mark is None or held.is_set():
+                    return mark
+                predicted.append(loop._step_predicted_s)
+
+                def layer_done(i: int) -> None:
+                    mark(i)
+                    if i == 10 and not held.is_set():
+                        held.set()
+                        release.wait(60)
+
+                return layer_done
+
+            loop.engine.on_schedule = on_schedule
+
+        for w in workers:
+            hang_in_layer_10(w.worker.loop)
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(_stream_all, c.address, [prompt], params)
+            assert held.wait(60), "no step reached layer 10"
+            hung_at = time.monotonic()
+            wait_until(
+                lambda: c.gateway_metric("pdserve_evictions_total", reason="engine_stuck") == 1,
+                10,
+                "the eviction",
+            )
+            detected = time.monotonic() - hung_at
+            release.set()
+            assert got.result(60) == [want]  # retried on the other worker
+        factor, floor = GatewayConfig.stuck_step_factor, GatewayConfig.stuck_step_floor_s
+        print(f"detected_s={detected:.2f} step_predicted_s={predicted[0]:.2f}")
+        assert factor * predicted[0] > 2 * floor, predicted  # the whole step's bound: far longer
+        assert floor <= detected <= floor + 1.0, detected
+        assert_no_leaks(c.live())
+    finally:
+        c.close()
