@@ -278,7 +278,7 @@ def main() -> None:
                 f"{mode:6s} "
                 + "; ".join(
                     f"{m} p50 {s[m]['p50']:.2f} p99 {s[m]['p99']:.2f}"
-                    for m in ("path", "path_ttft", "inside")
+                    for m in ("path", "path_ttft", "inside", "added_first", "added_last")
                     if m in s
                 )
                 + f" ({s['requests']} requests)"

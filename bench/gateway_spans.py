@@ -10,7 +10,13 @@ from the moment it arrived to its last token, and the client measured the whole.
   (for direct: client ↔ worker; through the gateway: client ↔ gateway ↔ worker and the gateway);
 - ``path_ttft`` = client TTFT − the worker's own TTFT (from its first span's start);
 - ``inside`` (gateway modes) = the ``gateway.generate`` span − the worker's time: what the
-  gateway process spends on the request between taking it and answering its last chunk.
+  gateway process spends on the request between taking it and answering its last chunk (biased
+  low by the worker's span ending after its last message left);
+- ``added_first`` / ``added_last`` (gateway modes): what the gateway measures itself (span
+  attributes ``gateway_added_ttft_s`` / ``gateway_added_s``, services/gateway/accounting.py):
+  from the request's arrival to its first worker call, plus from the worker's first / last
+  message arriving to its answer being handed to the client's connection. No clock pairing and
+  no client in it; the loopback hops are not in it either.
 
 The gateway adds ``path(mode) − path(direct)``, reported as the difference of percentiles, and,
 bounded from above, ``inside``. All clocks are one host's wall clock. Tracing is on for every
@@ -82,6 +88,10 @@ def per_request(sent: Iterable[Sent], spans: list[Span]) -> dict[str, dict | Non
         row = {"path": r.latency_s - busy, "path_ttft": r.ttft_s - ttft}
         if root is not None:
             row["inside"] = (root["end_ns"] - root["start_ns"]) / 1e9 - busy
+            attrs = root["attributes"]
+            if "gateway_added_s" in attrs:  # measured by the gateway itself (accounting.py)
+                row["added_first"] = attrs["gateway_added_ttft_s"]
+                row["added_last"] = attrs["gateway_added_s"]
         out[r.request_id] = row
     return out
 
@@ -95,7 +105,7 @@ def summarize(sent: list[Sent], spans: list[Span], modes: Iterable[str]) -> dict
         mine = [rows[r.request_id] for r in sent if r.mode == mode and rows.get(r.request_id)]
         out[mode] = {
             metric: {q: v * 1e3 for q, v in percentiles([m[metric] for m in mine]).items()}
-            for metric in ("path", "path_ttft", "inside")
+            for metric in ("path", "path_ttft", "inside", "added_first", "added_last")
             if mine and metric in mine[0]
         }
         out[mode]["requests"] = len(mine)

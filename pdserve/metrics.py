@@ -164,6 +164,15 @@ class GatewayMetrics(_Metrics):
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.gateway_added = Histogram(
+            "pdserve_gateway_added_seconds",
+            "What the gateway adds to a request, by phase: first (to its first tokens) and last "
+            "(to its last): from its arrival to the first worker call, plus from the worker's "
+            "message arriving to its answer being handed to the client's connection",
+            ["phase"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+            registry=r,
+        )
         self.key_requests = Counter(
             "pdserve_key_requests", "Requests admitted, by API key id", ["key"], registry=r
         )

@@ -47,6 +47,11 @@ class GatewayRequest:
         # of the prompt, taken from a prefix cache by the worker that computed it (Usage)
         self.num_cached_prompt_tokens = 0
         self.finish_reason = ""
+        # what the gateway adds: seconds from opened to the first worker call, and from a
+        # worker's message arriving to its delta being handed to the client's transport (first,
+        # latest); ``forwarded`` is told by the API layer
+        self.before_call_s: float | None = None
+        self.forward_s: list[float] = []
         self.text: list[str] = []  # kept only when prompts and outputs may be logged
         self._closed = False
         metrics.running.inc()
@@ -81,7 +86,8 @@ class GatewayRequest:
             },
         )
         if attempt == 0:
-            self.metrics.queue_seconds.observe(time.perf_counter() - self.opened)
+            self.before_call_s = time.perf_counter() - self.opened
+            self.metrics.queue_seconds.observe(self.before_call_s)
         if mode != "disaggregated" and not placement:  # not by choice: no prefill worker
             self.metrics.without_disaggregation.inc()
         self.span.set_attributes(
@@ -117,6 +123,15 @@ class GatewayRequest:
             self.text.append(text)
         self.finish_reason = finish_reason or self.finish_reason
 
+    def forwarded(self, received_at: float) -> None:
+        """A delta whose worker message arrived at ``received_at`` (``time.perf_counter``) has
+        been handed to the client's connection (its write is done or buffered)."""
+        spent = time.perf_counter() - received_at
+        if self.forward_s:
+            self.forward_s[1:] = [spent]
+        else:
+            self.forward_s.append(spent)
+
     def __enter__(self) -> GatewayRequest:
         return self
 
@@ -146,7 +161,13 @@ class GatewayRequest:
             attrs["ttft_s"] = self.first - self.opened
         if self.num_tokens > 1:
             attrs["tpot_s"] = (self.last - self.first) / (self.num_tokens - 1)
+        if self.before_call_s is not None and self.forward_s:
+            attrs["gateway_added_ttft_s"] = self.before_call_s + self.forward_s[0]
+            attrs["gateway_added_s"] = self.before_call_s + self.forward_s[-1]
         if code is None:
+            if "gateway_added_s" in attrs:
+                m.gateway_added.labels("first").observe(attrs["gateway_added_ttft_s"])
+                m.gateway_added.labels("last").observe(attrs["gateway_added_s"])
             m.prompt_tokens.inc(self.num_prompt_tokens)
             m.completion_tokens.inc(self.num_tokens)
             if "tpot_s" in attrs:

@@ -75,6 +75,7 @@ class Delta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage | None = None  # on the last delta
+    received_at: float = 0.0  # time.perf_counter() when its worker message arrived
 
 
 class Gateway:
@@ -276,7 +277,7 @@ class Gateway:
                 async for token_ids, logprobs, finish, num_cached in stream:
                     if not sent:  # a resumed try's prompt is longer: its count is not ours
                         req.num_cached_prompt_tokens = num_cached
-                    delta = Delta(logprobs=logprobs)
+                    delta = Delta(logprobs=logprobs, received_at=time.perf_counter())
                     for t in token_ids:
                         delta.token_ids.append(t)
                         if text.add(t):

@@ -256,7 +256,10 @@ class OpenAIApp:
             deltas = gw.generate(req, r.prompt, r.params, None, caller, r.affinity_key)
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
-                    yield req.request_id, d
+                    try:
+                        yield req.request_id, d
+                    finally:  # its events are sent (the last: this generator is closed)
+                        req.forwarded(d.received_at)
 
 
 async def _collect(first: Delta, events) -> list[Delta]:
@@ -330,6 +333,8 @@ async def _sse(
                     {"text": d.text, "logprobs": lp, "finish_reason": d.finish_reason or None}
                 )
             if d.finish_reason:
+                # let the request end as it did (not closed from outside: "cancelled")
+                await anext(events, None)
                 break
             nxt = await anext(events, None)
             d = None if nxt is None else nxt[1]

@@ -27,6 +27,8 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, worker_pb2_grpc
 from pdserve.v1 import generation_pb2_grpc as gen_grpc
 
+GIL_SWITCH_S = 0.0002  # sys.setswitchinterval in the gateway process (serve_gateway)
+
 
 @dataclass(frozen=True)
 class GatewayOptions:
@@ -277,6 +279,10 @@ class GatewayServer:
 
 async def serve_gateway(opts: GatewayOptions) -> None:
     """``pdserve gateway``: serve until signalled."""
+    # The gateway forwards tokens: its event loop must get the GIL as soon as a message is
+    # there. With CPython's default 5 ms switch interval a background thread (the span
+    # exporter, grpc's poller) may hold it that long (docs/benchmarks.md, gateway overhead).
+    sys.setswitchinterval(GIL_SWITCH_S)
     telemetry.setup(opts.telemetry)
     try:
         server = await GatewayServer.start(opts)

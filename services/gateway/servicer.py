@@ -88,7 +88,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             async with contextlib.aclosing(deltas):
                 async for d in deltas:
-                    yield response_from_delta(req.request_id, d)
+                    try:
+                        yield response_from_delta(req.request_id, d)
+                    finally:  # grpc asks for the next once this one is written
+                        req.forwarded(d.received_at)
 
     async def Generate(self, request, context):
         async with contextlib.aclosing(self._generate(request, context, stream=True)) as stream:

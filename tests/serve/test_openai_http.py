@@ -417,3 +417,50 @@ def test_no_worker_is_503_and_a_full_cluster_is_429_with_retry_after(tiny_model_
         assert r.status_code == status
         assert ("retry-after" in r.headers) == (status == 429)
     assert error_response(RuntimeError("boom")).status_code == 500
+
+
+def test_what_the_gateway_adds_is_measured_for_each_streamed_request(
+    http_cluster, oai, grpc_client
+):
+    """pdserve_gateway_added_seconds{phase}: one observation per successful request and phase
+    (arrival to first worker call, plus worker message to client connection), never more than
+    the request's own TTFT (first) and latency (last) at the gateway."""
+    c = http_cluster
+
+    def count(phase: str) -> float:
+        return c.gateway_metric("pdserve_gateway_added_seconds_count", phase=phase)
+
+    def total(phase: str) -> float:
+        return c.gateway_metric("pdserve_gateway_added_seconds_sum", phase=phase)
+
+    before = {p: (count(p), total(p)) for p in ("first", "last")}
+    ttft_before = c.gateway_metric("pdserve_ttft_seconds_sum")
+    list(grpc_client.generate_stream("The capital of France is", GREEDY))
+    stream = oai.completions.create(
+        model="", prompt="1, 2, 3,", max_tokens=12, stream=True, extra_body=NO_EOS
+    )
+    assert len([ch for ch in stream]) >= 12
+    ttft = c.gateway_metric("pdserve_ttft_seconds_sum") - ttft_before
+    for phase in ("first", "last"):
+        assert count(phase) - before[phase][0] == 2
+        assert 0 < total(phase) - before[phase][1]
+    assert total("first") - before["first"][1] < ttft
+
+
+def test_a_finished_stream_counts_as_ok_not_cancelled(http_cluster, oai):
+    c = http_cluster
+    ok = c.gateway_metric("pdserve_requests_total", outcome="ok")
+    cancelled = c.gateway_metric("pdserve_requests_total", outcome="cancelled")
+    for chat in (False, True):
+        if chat:
+            messages = [{"role": "user", "content": "Hi"}]
+            stream = oai.chat.completions.create(
+                model="", messages=messages, max_tokens=4, stream=True, extra_body=NO_EOS
+            )
+        else:
+            stream = oai.completions.create(
+                model="", prompt="Hi", max_tokens=4, stream=True, extra_body=NO_EOS
+            )
+        assert [ch for ch in stream][-1].choices[-1].finish_reason == "length"
+    assert c.gateway_metric("pdserve_requests_total", outcome="ok") == ok + 2
+    assert c.gateway_metric("pdserve_requests_total", outcome="cancelled") == cancelled
