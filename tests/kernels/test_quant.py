@@ -151,6 +151,24 @@ def test_linear_within_fp32_rounding(isa, reports, name, dtype):
 
 
 @needs_cc
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "tiles"])
+def test_prefill_path_is_row_major_whole_and_by_tiles(monkeypatch, whole):
+    """Above QLINEAR_MAX_ROWS the weight is dequantized whole (up to WHOLE_BYTES) or by tiles of
+    rows (here 64 rows: 4 full tiles and a partial one); either way the output is row-major like
+    a dense linear's (a transposed result slowed prefill attention 1.6x) and within fp32 rounding."""
+    n, k, m = 301, 576, quant.QLINEAR_MAX_ROWS + 36
+    if not whole:
+        monkeypatch.setattr(quant, "WHOLE_BYTES", 0)
+        monkeypatch.setattr(quant, "TILE_BYTES", 64 * 4 * k)
+    qw = Q.quantize(make_weight(n, k, seed=6), "q4_1")
+    w64 = Q.dequantize_reference(qw).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    y = quant.linear(x, qw)
+    assert y.shape == (m, n) and y.is_contiguous()
+    assert_fp32_sum_close(y, x.double() @ w64.T, x.double().abs() @ w64.abs().T, k)
+
+
+@needs_cc
 @pytest.mark.parametrize("isa,reports", ISAS)
 @pytest.mark.parametrize("name", FORMATS)
 def test_direct_path_tails(isa, reports, name):
