@@ -44,7 +44,7 @@ typedef struct { /* what one layer reads: fixed while the weights and pools are 
     float eps1, eps2;
 } Layer;
 
-typedef struct { /* the attention of one kind of token: bf16 pools */
+typedef struct { /* the attention of one kind of token */
     int64_t tokens, seqs, bt_width, bt_stride; /* tokens: rows of the step it covers */
     const int32_t *block_tables, *query_start, *context_lens; /* query_start: prefill only */
 } Part;
@@ -66,6 +66,7 @@ typedef struct { /* one step */
     void *normed, *qkv, *attn, *o, *gate_up, *act, *down; /* buffers */
     const int64_t *positions, *slots;
     const float *cos, *sin;
+    int32_t is_bf16; /* activations, buffers and pools: bf16 (1) or fp32 (0, decode steps only) */
 } Step;
 
 enum { FAILED_ROPE = 0, FAILED_DECODE = 1, FAILED_PREFILL = 2, STOPPED = 3 };
@@ -80,7 +81,8 @@ enum { FAILED_ROPE = 0, FAILED_DECODE = 1, FAILED_PREFILL = 2, STOPPED = 3 };
 int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, int32_t *kind,
                        int64_t *count) {
     const int64_t m = s->m, H = s->hidden, I = s->inter, hd = s->head_dim, w = s->width;
-    const int32_t t = s->num_threads, bf16 = 1;
+    const int32_t t = s->num_threads, bf16 = s->is_bf16;
+    const int64_t elem = bf16 ? 2 : 4;
     void *residual = (void *)s->embeddings;
     const Part *pf = &s->prefill, *dc = &s->decode;
     for (int64_t i = 0; i < num_layers; i++) {
@@ -108,8 +110,8 @@ int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, i
             }
         }
         if (dc->tokens) { /* the decode rows follow the prefill rows */
-            const uint16_t *q = (const uint16_t *)s->qkv + pf->tokens * w;
-            uint16_t *out = (uint16_t *)s->attn + pf->tokens * s->heads * hd;
+            const char *q = (const char *)s->qkv + pf->tokens * w * elem;
+            char *out = (char *)s->attn + pf->tokens * s->heads * hd * elem;
             bad = s->decode_attention(q, L->k_cache, L->v_cache, dc->block_tables, dc->context_lens,
                                       out, dc->seqs, s->heads, s->kv_heads, hd, s->block_size,
                                       s->num_blocks, dc->bt_width, dc->bt_stride, w, hd, s->scale,

@@ -14,8 +14,12 @@ Any step: its prefill tokens (prefill attention), then its decode tokens (decode
 ``after_layer(i)`` (the prefill worker's KV shipping) is called back from C after each layer. It
 covers what those kernels cover natively: bf16 weights and KV pools on a CPU with AVX512-BF16
 (head_dim 64 or 128). The projections are all packed bf16 (``linear.c``) or all quantized
-(``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``); ``compile_layer_loop(model)`` returns None
-otherwise and the module path runs.
+(``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``). An fp32 model whose projections are all
+quantized (the AVX2 machines' fast path: ``--quantization gguf`` or int8) runs its decode-only
+steps here on any CPU (``decode_only``: fp32 prefill attention is torch's, so steps with prefill
+tokens take the module path); at batch 1 on a 2-core Zen 3 the module path's Python and kernel
+entry points were ~9 ms of a 27 ms step. ``compile_layer_loop(model)`` returns None otherwise
+and the module path runs.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class _Step(ctypes.Structure):
                 "sin",
             )
         ]
+        + [("is_bf16", _I32)]
     )
 
 
@@ -164,6 +169,8 @@ class LayerLoop:
     def __init__(self, model, packing, fused_lib, attn_lib, loop_lib, quant_lib=None) -> None:
         cfg = model.config
         self.model = model
+        self.dtype = next(model.parameters()).dtype  # bf16, or fp32 (quantized, decode only)
+        self.decode_only = self.dtype == torch.float32
         self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
         self.quantized = quant_lib is not None  # every projection quantized (else none)
         self.hidden, self.heads, self.kv_heads, self.head_dim = (
@@ -178,10 +185,16 @@ class LayerLoop:
         self.cos, self.sin = rope.cos, rope.sin
         self.functions = (
             _address(fused_lib.pdserve_rms_norm),
-            _address(quant_lib.pdserve_qlinear_desc if quant_lib is not None else packing.linear),
+            _address(
+                packing.linear
+                if quant_lib is None
+                else quant_lib.pdserve_qlinear_desc_f32
+                if self.decode_only
+                else quant_lib.pdserve_qlinear_desc
+            ),
             _address(fused_lib.pdserve_rope_write_kv),
             _address(attn_lib.pdserve_paged_decode_attention),
-            _address(attn_lib.pdserve_prefill_attention_bf16),
+            None if self.decode_only else _address(attn_lib.pdserve_prefill_attention_bf16),
             _address(fused_lib.pdserve_silu_mul),
         )
         self._weights = list(model.parameters())
@@ -198,13 +211,13 @@ class LayerLoop:
         k0 = kv_caches[0][0]
         for k, v in kv_caches:
             if not (
-                k.dtype == v.dtype == torch.bfloat16
+                k.dtype == v.dtype == self.dtype
                 and k.shape == v.shape == k0.shape
                 and k.is_contiguous()
                 and v.is_contiguous()
             ):
                 raise ValueError(
-                    "layer loop: every KV pool must be bf16, contiguous and of one shape"
+                    f"layer loop: every KV pool must be {self.dtype}, contiguous and of one shape"
                 )
         layers = (_Layer * len(self.model.layers))()
         keep = []
@@ -247,6 +260,10 @@ class LayerLoop:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = input_ids.shape[0]
         n = meta.num_prefill_tokens
+        if n and self.decode_only:
+            raise ValueError(
+                "this layer loop runs decode-only steps; prefill takes the module path"
+            )
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         if not positions.shape == slots.shape == (m,):
@@ -267,7 +284,7 @@ class LayerLoop:
         else:  # a tied, quantized embedding: its rows dequantized
             emb = embed(input_ids).contiguous()
         H, inter, width = self.hidden, self.inter, self.qkv_width
-        empty = lambda n: torch.empty(m, n, dtype=torch.bfloat16)  # noqa: E731
+        empty = lambda n: torch.empty(m, n, dtype=self.dtype)  # noqa: E731
         bufs = {
             "normed": empty(H),
             "qkv": empty(width),
@@ -311,6 +328,7 @@ class LayerLoop:
             slots.data_ptr(),
             self.cos.data_ptr(),
             self.sin.data_ptr(),
+            int(self.dtype == torch.bfloat16),
         )
         kind, count = _I32(), _I64()
         failed = self.lib.pdserve_layers(
@@ -334,7 +352,8 @@ def compile_layer_loop(model) -> LayerLoop | None:
     packing = gemm._packing()
     fused_lib = fused._fused_library()
     loop_lib = _library()
-    if packing is None or fused_lib is None or loop_lib is None or not ops.attention_bf16_native():
+    attn_lib = ops._library()
+    if fused_lib is None or loop_lib is None or attn_lib is None:
         return None
     cfg = model.config
     params = list(model.parameters())
@@ -354,8 +373,14 @@ def compile_layer_loop(model) -> LayerLoop | None:
         if not all(quantized) or not quant.available():
             return None  # mixed dense and quantized projections: the module path
         quant_lib = quant.library()
+    dtype = params[0].dtype
+    if dtype == torch.float32:  # decode steps of a quantized fp32 model, on any CPU
+        if quant_lib is None:
+            return None
+    elif dtype != torch.bfloat16 or packing is None or not ops.attention_bf16_native():
+        return None
     if cfg.head_dim not in (64, 128) or any(
-        p.dtype != torch.bfloat16 or not p.is_cpu or not p.is_contiguous() for p in params
+        p.dtype != dtype or not p.is_cpu or not p.is_contiguous() for p in params
     ):
         return None
     rope = model.layers[0].self_attn.rope
@@ -363,4 +388,4 @@ def compile_layer_loop(model) -> LayerLoop | None:
         rope.cos.is_contiguous() and rope.sin.is_contiguous()
     ):
         return None
-    return LayerLoop(model, packing, fused_lib, ops._library(), loop_lib, quant_lib)
+    return LayerLoop(model, packing, fused_lib, attn_lib, loop_lib, quant_lib)

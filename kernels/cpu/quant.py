@@ -61,8 +61,9 @@ def load(source: Path, isa: str) -> ctypes.CDLL:
     lib.pdserve_qlinear.restype = ctypes.c_int
     lib.pdserve_qdequant.argtypes = [_P, _I32, _P, _P, _I64, _I64, _I64, _P, _I32]
     lib.pdserve_qdequant.restype = ctypes.c_int
-    lib.pdserve_qlinear_desc.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
-    lib.pdserve_qlinear_desc.restype = None
+    for fn in (lib.pdserve_qlinear_desc, lib.pdserve_qlinear_desc_f32):
+        fn.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
+        fn.restype = None
     return lib
 
 

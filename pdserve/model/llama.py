@@ -199,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
             rows = None  # every token sampled (the rows increase): nothing to prune
         last = len(self.layers) - 1
         loop = self._layer_loop()
+        if loop is not None and loop.decode_only and meta.num_prefill_tokens:
+            loop = None  # an fp32 loop runs decode-only steps
         if loop is not None:
             start = last + 1 if rows is None else last
             x, residual = loop(input_ids, positions, kv_caches, meta, start, after_layer)
