@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 
@@ -19,9 +20,10 @@ DISAGGREGATED = [
 ]
 
 
-def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
-    """Start a gateway and ``workers`` (argv each), warm up, run the load ``args`` describe
-    (requests, users, rate, prompt_words, output_len, seed), stop everything; the load's summary."""
+@contextlib.contextmanager
+def cluster(workers: list[list[str]], env: dict[str, str] | None = None):
+    """A gateway and ``workers`` (argv each) as real processes; yields (gateway address, the
+    processes) and stops them all on exit."""
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
     procs = []
     try:
@@ -29,12 +31,19 @@ def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = Non
         procs.append(gw.proc)
         for argv in workers:
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
-        cpu = cpu_seconds(procs)
-        summary = warm_then_load(gw.address, args)
-        summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu
-        return summary
+        yield gw.address, procs
     finally:
         stop_processes(procs)
+
+
+def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
+    """Start a gateway and ``workers`` (argv each), warm up, run the load ``args`` describe
+    (requests, users, rate, prompt_words, output_len, seed), stop everything; the load's summary."""
+    with cluster(workers, env) as (address, procs):
+        cpu = cpu_seconds(procs)
+        summary = warm_then_load(address, args)
+        summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu
+        return summary
 
 
 def warm_then_load(address: str, args, tls_ca: str | None = None) -> dict:
