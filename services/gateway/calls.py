@@ -39,12 +39,17 @@ async def read(call, worker: Worker):
         async for msg in call:
             worker.progressed()
             yield msg
-    except grpc.aio.AioRpcError as e:
-        raise WorkerFailed(
+    except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+        raise call_failed(worker, e) from None
+
+
+def call_failed(worker: Worker, e: BaseException) -> BaseException:
+    """What a call to ``worker`` that raised ``e`` (an RPC error, or cancelled) means."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return WorkerFailed(
             worker, f"{worker.role} worker {worker.address}: {e.details()}", e.code()
-        ) from None
-    except asyncio.CancelledError:
-        raise evicted(worker) from None
+        )
+    return evicted(worker)
 
 
 def evicted(worker: Worker) -> BaseException:

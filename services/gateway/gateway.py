@@ -27,7 +27,7 @@ from pdserve.services.gateway import cost as costs
 from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
-from pdserve.services.gateway.calls import WorkerFailed, chunk, evicted, read
+from pdserve.services.gateway.calls import WorkerFailed, call_failed, chunk, read
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
@@ -447,12 +447,8 @@ class Gateway:
                 prefill.progressed()
                 costs.prompt_prefilled(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
-            except grpc.aio.AioRpcError as e:
-                raise WorkerFailed(
-                    prefill, f"prefill worker {prefill.address}: {e.details()}", e.code()
-                ) from None
-            except asyncio.CancelledError:
-                raise evicted(prefill) from None
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+                raise call_failed(prefill, e) from None
             finally:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= len(ids)

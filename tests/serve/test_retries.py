@@ -46,9 +46,9 @@ def test_when_every_pair_fails_the_client_gets_unavailable(cluster):
     assert_no_leaks(c.live())
 
 
-def test_a_stream_whose_only_decode_worker_is_lost_ends_with_unavailable(cluster):
-    c = cluster(prefill=1, decode=1)
-    with Client(c.address, timeout=30) as client:
+def lose_the_only_decode_worker_mid_stream(c) -> None:
+    """Stop decode-0 after a stream's first tokens: the stream ends with UNAVAILABLE."""
+    with Client(c.address, timeout=60) as client:
         stream = client.generate_stream(
             [5, 6, 7], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
         )
@@ -59,6 +59,11 @@ def test_a_stream_whose_only_decode_worker_is_lost_ends_with_unavailable(cluster
                 pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert err.value.details().startswith("no worker could serve the request: resuming after ")
+
+
+def test_a_stream_whose_only_decode_worker_is_lost_ends_with_unavailable(cluster):
+    c = cluster(prefill=1, decode=1)
+    lose_the_only_decode_worker_mid_stream(c)
     assert c.gateway_metric("pdserve_resumes_total") == 1
     assert c.gateway_metric("pdserve_retries_total") == 0
     assert_no_leaks(c.live())
@@ -155,16 +160,6 @@ def test_past_the_outage_wait_and_with_no_worker_ever_the_client_gets_unavailabl
         client.complete([1, 2, 3], PARAMS)  # never had a worker: no wait
     assert err.value.details() == "no worker could serve the request: no worker is registered"
     c = cluster(prefill=1, decode=1, config={"probe_interval_s": 0.0, "outage_wait_s": 0.5})
-    with Client(c.address, timeout=60) as client:
-        stream = client.generate_stream(
-            [5, 6, 7], SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
-        )
-        next(stream), next(stream)
-        c.stop_worker("decode-0")
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in stream:
-                pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert err.value.details().startswith("no worker could serve the request: resuming after ")
+    lose_the_only_decode_worker_mid_stream(c)
     assert c.gateway_metric("pdserve_requests_waiting") == 0
     assert_no_leaks(c.live())
