@@ -149,8 +149,10 @@ def paged_decode_attention(
     return out
 
 
-def decode_attention_error(num_bad: int, num_blocks: int) -> ValueError:
-    """What pdserve_paged_decode_attention's count of refused tasks means."""
+def decode_attention_error(num_bad: int, num_blocks: int) -> Exception:
+    """What pdserve_paged_decode_attention's count of refused tasks (or -1) means."""
+    if num_bad < 0:
+        return MemoryError("paged_decode_attention: the C kernel could not allocate its scratch")
     return ValueError(
         f"paged_decode_attention: {num_bad} (sequence, kv head) tasks have a context_len "
         f"beyond their block table row or block ids outside [0, {num_blocks}); "

@@ -2,8 +2,13 @@
  * Paged decode attention on CPU, reading K/V blocks in place from the paged pool.
  *
  * Pool layout (K and V alike): [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16.
- * One task per (sequence, kv head) handles that kv head's `group` query heads together, so each
- * K/V row is read from memory once; tasks run in parallel with OpenMP. Softmax is online (running
+ * The portable path splits each sequence's context into spans of SPAN_TOKENS, one task per
+ * span over every kv head (a block's rows of all kv heads lie together, so a task reads them in
+ * order); each kv head's `group` query heads go together, so each K/V row is read from memory
+ * once. Tasks run in parallel with OpenMP, then each (sequence, kv head) merges its spans' running
+ * maxima, sums and accumulators. One sequence thus keeps every thread busy (batch 1 used one
+ * thread per kv head: 3 tasks for 2 threads), and a sequence's result does not depend on its
+ * batch or the thread count. Softmax is online (running
  * max and sum per query head) in fp32, one tile of at most TILE tokens of a block at a time:
  *
  *     block b of the sequence:  rows t0 .. t0+n-1   (row stride num_kv_heads * head_dim)
@@ -161,9 +166,14 @@ static void attend_tile(const float *restrict qs, const float *k, const float *v
                         float *restrict l, float *restrict acc) {
     for (int h = 0; h < group; h++) {
         qk_tile(qs + (int64_t)h * head_dim, k, stride, n, head_dim, scores);
+        v8f top = load8f(scores); /* rows past n are -inf */
+        for (int t = 8; t < n; t += 8) {
+            const v8f x = load8f(scores + t);
+            top = (v8f)(((v8i)x & (x > top)) | ((v8i)top & ~(x > top)));
+        }
         float m_new = m[h];
-        for (int t = 0; t < n; t++) m_new = scores[t] > m_new ? scores[t] : m_new;
-        const float alpha = expf(m[h] - m_new); /* 0 on the first tile (m = -inf) */
+        for (int j = 0; j < 8; j++) m_new = top[j] > m_new ? top[j] : m_new;
+        const float alpha = exp8_nonpos(splat(m[h] - m_new))[0]; /* 0 on the first tile */
         v8f sum = splat(0.0f);
         for (int t = 0; t < n; t += 8) {
             const v8f e = exp8_nonpos(load8f(scores + t) - m_new);
@@ -215,7 +225,7 @@ typedef struct {
 } Pool;
 
 typedef struct { /* per-thread scratch */
-    float *qs, *acc, *m, *l, *scores, *kbuf, *vbuf;
+    float *qs, *scores, *kbuf, *vbuf;
 } Scratch;
 
 /* Element offset of row `offset` of block `block`, kv head `kv_head`. */
@@ -223,68 +233,93 @@ static inline int64_t row_index(const Pool *p, int64_t block, int offset, int kv
     return ((block * p->block_size + offset) * p->num_kv_heads + kv_head) * p->head_dim;
 }
 
-/* One (sequence, kv head): q rows of its `group` query heads (stride q_head_stride elements)
- * -> out rows (contiguous). Returns 1 if the context length or a block id was out of range (the
- * output is then zeroed), else 0. */
+/* Blocks of context each task of the portable path takes (a fixed number of tokens, so a
+ * sequence's result does not depend on the batch it runs in or the thread count). */
+#define SPAN_TOKENS 256
+
+/* One task: blocks [b0, b1) of one sequence, every kv head, so the task reads its K/V rows in
+ * the order they lie (a block's rows of all kv heads are contiguous). q: the sequence's query
+ * heads at stride q_head_stride elements. Writes each kv head's part (part_size floats apart):
+ * the running max m and sum l, and the unnormalised acc of each of its query heads
+ * (merge_span combines a sequence's spans). Returns 1 if a block id was out of range. */
 static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, const int32_t *blocks,
-                       int32_t context_len, int kv_head, float scale, void *out, Scratch *w) {
+                       int32_t context_len, float scale, int64_t b0, int64_t b1,
+                       float *restrict parts, int64_t part_size, Scratch *w) {
     const int group = p->group, head_dim = p->head_dim, block_size = p->block_size;
-    const int elem = p->bf16 ? 2 : 4;
-    const int64_t stride = (int64_t)p->num_kv_heads * head_dim;
-    for (int h = 0; h < group; h++) {
+    const int kv = p->num_kv_heads, heads = kv * group, elem = p->bf16 ? 2 : 4;
+    const int64_t stride = (int64_t)kv * head_dim;
+    const int64_t block_bytes = block_size * stride * elem, slice = (block_bytes / kv + 63) & ~63;
+    for (int h = 0; h < heads; h++) {
+        float *part = parts + (h / group) * part_size;
+        const int hg = h % group;
         for (int d = 0; d < head_dim; d++) {
             const int64_t i = h * q_head_stride + d;
             const float x = p->bf16 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i];
             w->qs[h * head_dim + d] = x * scale;
-            w->acc[h * head_dim + d] = 0.0f;
+            part[2 * group + hg * head_dim + d] = 0.0f;
         }
-        w->m[h] = -INFINITY;
-        w->l[h] = 0.0f;
+        part[hg] = -INFINITY;
+        part[group + hg] = 0.0f;
     }
-    const int64_t used_blocks = ((int64_t)context_len + block_size - 1) / block_size;
-    int bad = context_len < 0 || used_blocks > p->max_blocks;
-    for (int64_t b = 0; !bad && b < used_blocks; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t block = blocks[b];
-        if (block < 0 || block >= p->num_blocks) {
-            bad = 1;
-            break;
-        }
+        if (block < 0 || block >= p->num_blocks) return 1;
         const int64_t left = context_len - b * block_size;
         const int in_block = left < block_size ? (int)left : block_size;
-        if (b + 1 < used_blocks && blocks[b + 1] >= 0 && blocks[b + 1] < p->num_blocks) {
-            const int64_t next = row_index(p, blocks[b + 1], 0, kv_head) * elem;
-            const int64_t next_left = left - block_size;
-            prefetch_rows((const char *)p->k_cache + next, (const char *)p->v_cache + next,
-                          stride * elem, next_left < block_size ? (int)next_left : block_size,
-                          head_dim * elem);
-        }
-        for (int t0 = 0; t0 < in_block; t0 += TILE) {
-            const int n = in_block - t0 < TILE ? in_block - t0 : TILE;
-            const int64_t row = row_index(p, block, t0, kv_head);
-            if (p->bf16) {
-                widen_rows((const uint16_t *)p->k_cache + row, stride, n, head_dim, w->kbuf);
-                widen_rows((const uint16_t *)p->v_cache + row, stride, n, head_dim, w->vbuf);
-                attend_tile(w->qs, w->kbuf, w->vbuf, head_dim, n, group, head_dim, w->scores,
-                            w->m, w->l, w->acc);
-            } else {
-                attend_tile(w->qs, (const float *)p->k_cache + row,
-                            (const float *)p->v_cache + row, stride, n, group, head_dim,
-                            w->scores, w->m, w->l, w->acc);
+        const int64_t next = b + 1 < b1 ? blocks[b + 1] : -1;
+        for (int g = 0; g < kv; g++) {
+            if (next >= 0 && next < p->num_blocks) /* a kv head's share of the next block */
+                for (int64_t off = g * slice; off < (g + 1) * slice && off < block_bytes; off += 64) {
+                    __builtin_prefetch((const char *)p->k_cache + next * block_bytes + off);
+                    __builtin_prefetch((const char *)p->v_cache + next * block_bytes + off);
+                }
+            float *part = parts + g * part_size;
+            float *m = part, *l = part + group, *acc = part + 2 * group;
+            const float *qs = w->qs + (int64_t)g * group * head_dim;
+            for (int t0 = 0; t0 < in_block; t0 += TILE) {
+                const int n = in_block - t0 < TILE ? in_block - t0 : TILE;
+                const int64_t row = row_index(p, block, t0, g);
+                if (p->bf16) {
+                    widen_rows((const uint16_t *)p->k_cache + row, stride, n, head_dim, w->kbuf);
+                    widen_rows((const uint16_t *)p->v_cache + row, stride, n, head_dim, w->vbuf);
+                    attend_tile(qs, w->kbuf, w->vbuf, head_dim, n, group, head_dim, w->scores, m,
+                                l, acc);
+                } else {
+                    attend_tile(qs, (const float *)p->k_cache + row,
+                                (const float *)p->v_cache + row, stride, n, group, head_dim,
+                                w->scores, m, l, acc);
+                }
             }
         }
     }
+    return 0;
+}
+
+/* One (sequence, kv head) whose spans' parts lie at part, part + part_size, ...: out rows
+ * (contiguous) = the softmax-weighted sum over all its spans, zeroed if `bad`. */
+static void merge_spans(const Pool *p, const float *part, int64_t part_size, int64_t spans,
+                        int bad, void *out) {
+    const int group = p->group, head_dim = p->head_dim;
     for (int h = 0; h < group; h++) {
-        const float inv = (!bad && w->l[h] > 0.0f) ? 1.0f / w->l[h] : 0.0f;
+        float top = -INFINITY, l = 0.0f;
+        for (int64_t c = 0; c < spans; c++) top = fmaxf(top, part[c * part_size + h]);
+        float acc[head_dim];
+        for (int d = 0; d < head_dim; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < spans; c++) {
+            const float *pc = part + c * part_size;
+            const float f = spans == 1 ? 1.0f : exp8_nonpos(splat(pc[h] - top))[0];
+            l += pc[group + h] * f;
+            for (int d = 0; d < head_dim; d++) acc[d] += pc[2 * group + h * head_dim + d] * f;
+        }
+        const float inv = (!bad && l > 0.0f) ? 1.0f / l : 0.0f;
         for (int d = 0; d < head_dim; d++) {
-            const int64_t i = (int64_t)h * head_dim + d;
-            const float x = w->acc[i] * inv;
+            const float x = acc[d] * inv;
             if (p->bf16)
-                ((uint16_t *)out)[i] = f32_to_bf16(x);
+                ((uint16_t *)out)[h * head_dim + d] = f32_to_bf16(x);
             else
-                ((float *)out)[i] = x;
+                ((float *)out)[h * head_dim + d] = x;
         }
     }
-    return bad;
 }
 
 #if defined(__AVX2__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -313,7 +348,6 @@ int pdserve_paged_decode_attention(
                        max_blocks,        (int)num_kv_heads, (int)head_dim,
                        (int)block_size,   (int)(num_heads / num_kv_heads), is_bf16 != 0};
     const int group = pool.group;
-    const int64_t num_tasks = num_seqs * num_kv_heads;
     const int elem = is_bf16 ? 2 : 4;
     int64_t num_bad = 0;
 #if ATTN_NATIVE
@@ -347,22 +381,63 @@ int pdserve_paged_decode_attention(
         return (int)num_bad;
     }
 #endif
+    /* Portable path: a task per SPAN_TOKENS of a (sequence, kv head), so that even one
+     * sequence keeps every thread busy; then each (sequence, kv head) merges its spans. */
+    const int64_t span_blocks = (SPAN_TOKENS + block_size - 1) / block_size;
+    int64_t *first = malloc((size_t)(num_seqs + 1) * sizeof *first); /* first span of a seq */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t used = ((int64_t)context_lens[s] + block_size - 1) / block_size;
+        const int64_t spans = context_lens[s] > 0 && used <= max_blocks
+                                  ? (used + span_blocks - 1) / span_blocks : 1;
+        first[s + 1] = first[s] + spans;
+    }
+    const int64_t num_spans = first[num_seqs], part_size = group * (head_dim + 2);
+    int64_t *seq_of = malloc((size_t)num_spans * sizeof *seq_of);
+    float *parts = malloc((size_t)(num_spans * num_kv_heads * part_size) * sizeof *parts);
+    char *bad = calloc((size_t)num_spans, 1);
+    if (!seq_of || !parts || !bad) {
+        free(first), free(seq_of), free(parts), free(bad);
+        return -1;
+    }
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t c = first[s]; c < first[s + 1]; c++) seq_of[c] = s;
 #pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
     {
-        float qs[group * head_dim], acc[group * head_dim], m[group], l[group], scores[TILE];
+        float qs[num_heads * head_dim], scores[TILE];
         float kbuf[is_bf16 ? TILE * head_dim : 1], vbuf[is_bf16 ? TILE * head_dim : 1];
-        Scratch w = {qs, acc, m, l, scores, kbuf, vbuf};
+        Scratch w = {qs, scores, kbuf, vbuf};
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++) {
-            const int64_t s = task / num_kv_heads;
-            const int g = (int)(task % num_kv_heads);
-            const char *q_task =
-                (const char *)q + (s * q_seq_stride + (int64_t)g * group * q_head_stride) * elem;
-            char *out_task = (char *)out + (s * num_heads + (int64_t)g * group) * head_dim * elem;
-            num_bad += decode_task(&pool, q_task, q_head_stride, block_tables + s * bt_stride,
-                                   context_lens[s], g, scale, out_task, &w);
+        for (int64_t span = 0; span < num_spans; span++) {
+            const int64_t s = seq_of[span];
+            const int32_t len = context_lens[s];
+            const int64_t used = ((int64_t)len + block_size - 1) / block_size;
+            const int64_t b0 = (span - first[s]) * span_blocks;
+            const int64_t b1 = b0 + span_blocks < used ? b0 + span_blocks : used;
+            float *part = parts + span * num_kv_heads * part_size;
+            if (len < 0 || used > max_blocks) {
+                bad[span] = 1;
+                for (int64_t i = 0; i < num_kv_heads * part_size; i++) part[i] = 0.0f;
+                continue;
+            }
+            bad[span] = (char)decode_task(&pool, (const char *)q + s * q_seq_stride * elem,
+                                          q_head_stride, block_tables + s * bt_stride, len, scale,
+                                          b0, b1, part, part_size, &w);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
+            const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
+            const int64_t spans = first[s + 1] - first[s];
+            int any = 0;
+            for (int64_t c = first[s]; c < first[s + 1]; c++) any |= bad[c];
+            num_bad += any;
+            char *out_task = (char *)out + (s * num_heads + g * group) * head_dim * elem;
+            merge_spans(&pool, parts + (first[s] * num_kv_heads + g) * part_size,
+                        num_kv_heads * part_size, spans, any, out_task);
         }
     }
+    free(first), free(seq_of), free(parts), free(bad);
     return (int)num_bad;
 }
 

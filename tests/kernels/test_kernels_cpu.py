@@ -268,3 +268,48 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
     (src / "k.h").write_text("static int value(void) { return 2; }\n")
     assert build.load_library(src / "k.c").pdserve_value() == 2
     assert len(list((tmp_path / "cache").glob("kernels/*/k.so"))) == 2
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_long_contexts_split_in_spans_merge_exactly(dtype, block_size, paged_case, dense, close):
+    """The portable path splits a context into spans of 256 tokens run in parallel and merges
+    them: right on both sides of a span's edge and over many spans; a sequence's result does not
+    depend on the batch it runs in nor on the thread count (spans are fixed, not sized to fit)."""
+    if dtype == torch.bfloat16 and ops.attention_bf16_native():
+        pytest.skip("bf16 decode attention takes the AVX512-BF16 path here")
+    lens = [255, 256, 257, 600, 1030]
+    case = paged_case(lens, 3, 64, block_size, dtype)
+    q = torch.randn(len(lens), 9, 64).to(dtype)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = ops.paged_decode_attention(*args)
+        torch.set_num_threads(1)
+        alone = [
+            ops.paged_decode_attention(
+                q[i : i + 1],
+                *args[1:3],
+                case.block_tables[i : i + 1],
+                case.context_lens[i : i + 1],
+                0.125,
+            )
+            for i in range(len(lens))
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    close(batched, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 0.125), dtype)
+    assert torch.equal(batched, torch.cat(alone))
+
+
+@needs_compiler
+def test_bad_block_in_a_later_span_counts_once_per_kv_head(paged_case):
+    case = paged_case([600, 40], 3, 64, 16, torch.float32)
+    q = torch.randn(2, 9, 64)
+    case.block_tables[0, 30] = -1  # in the second span of sequence 0
+    with pytest.raises(ValueError, match="^paged_decode_attention: 3 \\(sequence, kv head\\)"):
+        ops.paged_decode_attention(
+            q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+        )
