@@ -84,3 +84,11 @@ def get_backend(device: torch.device | str) -> ModuleType:
     if device_type == "cpu":
         return _load("cpu")
     return _load("reference")
+
+
+def release_cpu_thread_pool() -> bool:
+    """End the calling thread's idle OpenMP threads, so that the thread that steps the engine is
+    the process's only OpenMP master (kernels/cpu/openmp.py says why); False where it cannot."""
+    from pdserve.kernels.cpu import openmp
+
+    return openmp.release_thread_pool()
