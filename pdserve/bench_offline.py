@@ -285,7 +285,7 @@ def run_offline_bench(args) -> dict:
         "machine": machine_description(args.device),
         "model": args.model,
         "dtype": str(engine.dtype).replace("torch.", ""),
-        "quantization": args.quantization,
+        "quantization": engine.runner.model.quantization,  # "auto" resolved
         "weight_bytes": engine.runner.weight_bytes(),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
@@ -319,7 +319,7 @@ def run_offline_bench(args) -> dict:
         add_mbu(result, rl, steps, engine.runner.device)
     print(f"machine: {result['machine']}")
     print(
-        f"model: {args.model} ({result['dtype']}, weights {args.quantization}, "
+        f"model: {args.model} ({result['dtype']}, weights {result['quantization']}, "
         f"{result['weight_bytes'] / 1e6:.0f} MB), prompt {args.prompt_len} tokens, {args.output_len} new"
     )
     print(

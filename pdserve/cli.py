@@ -37,9 +37,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=EngineConfig.quantization,
-        help="projection weights: none (dense, default), gguf (a GGUF model's own Q4_1/Q4_0/Q8_0 "
-        "blocks, e.g. the default model's 4-bit weights), or quantized at load: int8 (per "
-        "channel), q8_0, q4_1, q4_0",
+        help="projection weights: auto (default: gguf where a GGUF model's weights would be fp32 "
+        "on the CPU, i.e. no native bf16; else none), none (dense), gguf (a GGUF model's own "
+        "Q4_1/Q4_0/Q8_0 blocks, e.g. the default model's 4-bit weights), or quantized at load: "
+        "int8 (per channel), q8_0, q4_1, q4_0",
     )
     p.add_argument(
         "--threads",

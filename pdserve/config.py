@@ -47,8 +47,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 # How the projection weights are held (``--quantization``): "none" (dense, in the dtype), "gguf"
 # (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, as the file has them), or quantized at load: "int8"
-# (per output channel, symmetric), "q8_0", "q4_1", "q4_0" (GGUF's block formats).
-QUANTIZATIONS = ("none", "gguf", "int8", "q8_0", "q4_1", "q4_0")
+# (per output channel, symmetric), "q8_0", "q4_1", "q4_0" (GGUF's block formats). "auto" (the
+# default): "gguf" for a model converted from a GGUF file whose weights would be fp32 on the CPU
+# (no native bf16: 4-bit blocks read 5x fewer bytes a token than fp32), else "none"
+# (model/quantize.py: resolve_quantization).
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "q8_0", "q4_1", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None: all cores of the machine
     seed: int = 0
-    quantization: str = "none"  # QUANTIZATIONS
+    quantization: str = "auto"  # QUANTIZATIONS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -114,7 +117,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; use one of: {', '.join(QUANTIZATIONS)}"
             )
-        if self.quantization != "none" and self.device != "cpu":
+        if self.quantization not in ("none", "auto") and self.device != "cpu":
             raise ValueError("quantized weights run on the CPU only; use --quantization none")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")

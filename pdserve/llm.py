@@ -27,7 +27,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         *,
         dtype: str = "auto",
-        quantization: str = "none",
+        quantization: str = "auto",
         device: str = "cpu",
         threads: int | None = None,
         seed: int = 0,

@@ -8,6 +8,10 @@ takes in place of a dense weight:
   the converted folder (``fetch.gguf_source``), rows as the file has them (q/k unpermuted); a
   tensor of another GGUF type stays dense.
 - ``int8``, ``q8_0``, ``q4_1``, ``q4_0``: the dense weights quantized here (``kernels.quantize``).
+- ``auto`` (the default): ``gguf`` where the model was converted from a GGUF file and its weights
+  would be fp32 on the CPU (no native bf16), else ``none`` (``resolve_quantization``). On a 2-core
+  AVX2 Zen 3 the default model's own Q4_1 blocks decode one stream 3x faster than fp32 and batch
+  32 as fast; on CPUs with AVX512-BF16 the packed bf16 weights stay the measured fast path.
 
 Tied embeddings are quantized with the lm_head (one copy), and the embedding lookup dequantizes
 the rows it needs (``QuantizedEmbedding``); an untied embedding stays dense (only looked up).
@@ -44,8 +48,21 @@ def _replace(linear: nn.Linear, weight: kernels.QuantizedWeight) -> None:
     linear.weight = weight
 
 
+def resolve_quantization(mode: str, folder: Path | None, dtype: torch.dtype, device) -> str:
+    """``mode``, with "auto" made "gguf" (fp32 weights on the CPU of a model that kept its GGUF
+    file) or "none"."""
+    if mode != "auto":
+        return mode
+    from pdserve.model.gguf_convert import GGUF_COPY
+
+    cpu = torch.device(device).type == "cpu"
+    kept = folder is not None and (Path(folder) / GGUF_COPY).is_file()
+    return "gguf" if cpu and dtype == torch.float32 and kept else "none"
+
+
 def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> None:
     """Replace ``model``'s projection weights by quantized ones (``mode``: see the module)."""
+    mode = resolve_quantization(mode, folder, model.norm.weight.dtype, model.norm.weight.device)
     if mode == "none":
         return
     source: dict[str, kernels.QuantizedWeight] | None = None

@@ -39,6 +39,7 @@ def llm(device):
     return LLM(
         DEFAULT_MODEL,
         dtype="float32",
+        quantization="none",  # dense fp32 against transformers' fp32 (test_quantized_model: Q4_1)
         device=device,
         threads=2,
         cache=CacheConfig(kv_cache_bytes=256 << 20),

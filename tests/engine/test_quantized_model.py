@@ -201,3 +201,17 @@ def test_quantized_at_load_on_small_models(tiny_model, kind, mode):
     assert len(outs[mode]) == 1
     if mode in ("int8", "q8_0"):
         assert outs[mode] == outs["none"]
+
+
+def test_auto_quantization_takes_the_gguf_blocks_only_for_fp32_weights_on_the_cpu(tmp_path):
+    from pdserve.model.gguf_convert import GGUF_COPY
+    from pdserve.model.quantize import resolve_quantization
+
+    kept, bare = tmp_path / "kept", tmp_path / "bare"
+    kept.mkdir(), bare.mkdir()
+    (kept / GGUF_COPY).write_bytes(b"GGUF")
+    assert resolve_quantization("auto", kept, torch.float32, "cpu") == "gguf"
+    assert resolve_quantization("auto", kept, torch.bfloat16, "cpu") == "none"  # AVX512-BF16
+    assert resolve_quantization("auto", kept, torch.float32, "cuda:0") == "none"
+    assert resolve_quantization("auto", bare, torch.float32, "cpu") == "none"  # no GGUF source
+    assert resolve_quantization("int8", bare, torch.bfloat16, "cpu") == "int8"  # asked for
