@@ -8,7 +8,7 @@ one short warm-up (different prompts) before the measured load. Server CPU secon
 /proc for the processes this script started.
 
     .venv/bin/python bench/steering.py \\
-        --pdserve "colocated-fp32=colocated --threads 2 --dtype float32" \\
+        --pdserve "colocated-fp32=colocated --threads 2 --dtype float32 --quantization none" \\
         --pdserve "colocated-q4=colocated --threads 2 --quantization gguf" \\
         --pdserve "up-q4=disaggregated --quantization gguf" \\
         --llama-server /tmp/peers/build/bin/llama-server --json /tmp/steering.json
