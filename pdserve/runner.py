@@ -14,7 +14,7 @@ from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
-from pdserve.model.quantize import quantize_model, resolve_quantization, weight_bytes
+from pdserve.model.quantize import quantize_model, weight_bytes
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampler import sample
@@ -36,8 +36,7 @@ def load_model(
     model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
     model = model.to(device=device, dtype=dtype).eval()
-    model.quantization = resolve_quantization(quantization, folder, dtype, device)
-    quantize_model(model, model.quantization, folder)
+    model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved
     prepack = getattr(model.ops, "prepack_linear", None)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):  # the rope tables stay fp32 (rounded at use)

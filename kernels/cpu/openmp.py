@@ -4,10 +4,9 @@ GNU OpenMP keeps a pool of worker threads per thread that has opened a parallel 
 waits differently at barriers once a process holds more OpenMP threads than CPUs). A worker loads
 and warms up its engine in the main thread, which leaves that thread's pool behind (idle, but
 counted); the engine thread then opens its own, and its steps slowed down: measured on a 2-core
-AVX2 Zen 3,
-the default model's batch-1 decode step (Q4_1, 2 threads, 700-token context) took 24.7 ms when
-run from a second thread against 13.3 ms with the first thread's pool released, the same as
-stepping in the main thread. ``release_thread_pool`` ends the calling thread's pool
+AVX2 Zen 3, the default model's batch-1 decode step (Q4_1, 2 threads, 700-token context) took
+24.7 ms when run from a second thread against 13.3 ms with the first thread's pool released, the
+same as stepping in the main thread. ``release_thread_pool`` ends the calling thread's pool
 (``omp_pause_resource_all(omp_pause_hard)``, OpenMP 5.0); the next parallel region of that thread
 would start a new one.
 """

@@ -17,7 +17,8 @@
  *     acc[h] = acc[h] * e^(m - m') + sum_t e^(scores[h][t] - m') * v[t]
  *
  * bf16 rows are widened to fp32 (a 16-bit shift) into per-thread scratch once per tile; fp32
- * rows are read straight from the pool. The next block's rows are prefetched while this one runs.
+ * rows are read straight from the pool. The next block is prefetched while this one runs, a kv
+ * head's share of it before each kv head's tiles.
  *
  * Built with GNU C vector extensions (gcc >= 9, clang): 8-lane fp32 vectors map to AVX/AVX2
  * registers (or two NEON registers), without -ffast-math, so exp keeps its accuracy. The score
@@ -207,17 +208,6 @@ static void widen_rows(const uint16_t *src, int64_t stride, int n, int head_dim,
     }
 }
 
-/* Ask for one block's rows of one kv head ahead of use: they sit in a block of a shuffled pool
- * that the hardware prefetchers cannot guess. */
-static inline void prefetch_rows(const char *k, const char *v, int64_t stride_bytes, int n,
-                                 int row_bytes) {
-    for (int t = 0; t < n; t++)
-        for (int off = 0; off < row_bytes; off += 64) {
-            __builtin_prefetch(k + t * stride_bytes + off);
-            __builtin_prefetch(v + t * stride_bytes + off);
-        }
-}
-
 typedef struct {
     const void *k_cache, *v_cache;
     int64_t num_blocks, max_blocks;
@@ -241,7 +231,7 @@ static inline int64_t row_index(const Pool *p, int64_t block, int offset, int kv
  * the order they lie (a block's rows of all kv heads are contiguous). q: the sequence's query
  * heads at stride q_head_stride elements. Writes each kv head's part (part_size floats apart):
  * the running max m and sum l, and the unnormalised acc of each of its query heads
- * (merge_span combines a sequence's spans). Returns 1 if a block id was out of range. */
+ * (merge_spans combines a sequence's spans). Returns 1 if a block id was out of range. */
 static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, const int32_t *blocks,
                        int32_t context_len, float scale, int64_t b0, int64_t b1,
                        float *restrict parts, int64_t part_size, Scratch *w) {
@@ -268,7 +258,8 @@ static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, cons
         const int in_block = left < block_size ? (int)left : block_size;
         const int64_t next = b + 1 < b1 ? blocks[b + 1] : -1;
         for (int g = 0; g < kv; g++) {
-            if (next >= 0 && next < p->num_blocks) /* a kv head's share of the next block */
+            /* a kv head's share of the next block (blocks lie shuffled in the pool) */
+            if (next >= 0 && next < p->num_blocks)
                 for (int64_t off = g * slice; off < (g + 1) * slice && off < block_bytes; off += 64) {
                     __builtin_prefetch((const char *)p->k_cache + next * block_bytes + off);
                     __builtin_prefetch((const char *)p->v_cache + next * block_bytes + off);
@@ -381,7 +372,7 @@ int pdserve_paged_decode_attention(
         return (int)num_bad;
     }
 #endif
-    /* Portable path: a task per SPAN_TOKENS of a (sequence, kv head), so that even one
+    /* Portable path: a task per SPAN_TOKENS of a sequence (every kv head), so that even one
      * sequence keeps every thread busy; then each (sequence, kv head) merges its spans. */
     const int64_t span_blocks = (SPAN_TOKENS + block_size - 1) / block_size;
     int64_t *first = malloc((size_t)(num_seqs + 1) * sizeof *first); /* first span of a seq */
@@ -396,7 +387,7 @@ int pdserve_paged_decode_attention(
     const int64_t num_spans = first[num_seqs], part_size = group * (head_dim + 2);
     int64_t *seq_of = malloc((size_t)num_spans * sizeof *seq_of);
     float *parts = malloc((size_t)(num_spans * num_kv_heads * part_size) * sizeof *parts);
-    char *bad = calloc((size_t)num_spans, 1);
+    char *bad = malloc((size_t)num_spans); /* every span writes its flag */
     if (!seq_of || !parts || !bad) {
         free(first), free(seq_of), free(parts), free(bad);
         return -1;

@@ -60,11 +60,12 @@ def resolve_quantization(mode: str, folder: Path | None, dtype: torch.dtype, dev
     return "gguf" if cpu and dtype == torch.float32 and kept else "none"
 
 
-def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> None:
-    """Replace ``model``'s projection weights by quantized ones (``mode``: see the module)."""
+def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> str:
+    """Replace ``model``'s projection weights by quantized ones (``mode``: see the module);
+    returns the mode applied ("auto" resolved)."""
     mode = resolve_quantization(mode, folder, model.norm.weight.dtype, model.norm.weight.device)
     if mode == "none":
-        return
+        return mode
     source: dict[str, kernels.QuantizedWeight] | None = None
     if mode == "gguf":
         from pdserve.model.fetch import gguf_source
@@ -94,6 +95,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
             _replace(linear, qw)
             if linear is model.lm_head and tied:
                 model.embed_tokens = QuantizedEmbedding(qw, model.ops, dtype)
+    return mode
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
