@@ -73,6 +73,7 @@ class _Generation:
         self.started = time.perf_counter()
         self.num_tokens = 0
         self.finish_reason = ""
+        self.closed = False
 
     def add(self, out: RequestOutput) -> None:
         if out.new_token_ids and not self.num_tokens:
@@ -80,8 +81,16 @@ class _Generation:
         self.num_tokens += len(out.new_token_ids)
         self.metrics.generated_tokens.inc(len(out.new_token_ids))
         self.finish_reason = out.finish_reason or ""
+        if out.finished:
+            # Counted before the last output is yielded: once the client has it, the metrics
+            # and the log already say the request ended (the generator's ``finally`` runs only
+            # when its consumer asks for more, after the client may have read the counters).
+            self.close()
 
     def close(self, error: BaseException | str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.span.set_attributes(
             {"completion_tokens": self.num_tokens, "finish_reason": self.finish_reason}
         )

@@ -274,3 +274,25 @@ def test_two_requests_with_the_same_client_id_at_once_are_both_served(shared_clu
             )
     assert [list(g.token_ids) for g in got] == [list(want)] * 2
     assert_no_leaks(c.live())
+
+
+def test_a_decode_worker_counts_a_request_as_ended_before_its_last_output_leaves(shared_cluster):
+    """A client that has the last token and reads the worker's metrics finds the request there:
+    the count must not wait for the stream's consumer to ask for more after the end."""
+    c = shared_cluster
+    worker = c.workers["decode-0"].worker
+    before = c.served("decode-0")
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def served_when_the_last_output_arrives() -> int:
+        stream = worker.generate_local("count-at-end", [5, 6, 7], params)
+        try:
+            async for out in stream:
+                if out.finished:
+                    return c.served("decode-0")
+        finally:
+            await stream.aclose()
+        raise AssertionError("the stream ended without a finished output")
+
+    assert c.loop.run(served_when_the_last_output_arrives()) == before + 1
+    assert_no_leaks(c.live())
