@@ -4,6 +4,7 @@ signal, the health entry for liveness, and running its coroutine."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 
 import torch
@@ -20,7 +21,15 @@ def ready(
 ) -> None:
     """``READY <role> <host:port> metrics=<host:port>`` (metrics=- when /metrics is off); the
     gateway adds `` http=<host:port>`` (- when its HTTP API is off) and ``registry=<host:port>``,
-    where workers register."""
+    where workers register.
+
+    What startup allocated (torch and the other modules, the model, the servers: ~200,000
+    objects) lives as long as the process, so it is moved out of the garbage collector's
+    generations first: a full collection over it paused the event loop (and the engine thread,
+    through the GIL) for ~90 ms on an AVX2 Zen 3, every few hundred requests under load
+    (docs/benchmarks.md, gateway overhead)."""
+    gc.collect()
+    gc.freeze()
     extra = "" if http is None else f" http={http}"
     extra += f" registry={registry}" if registry else ""
     print(f"READY {role} {address} metrics={metrics}{extra}", flush=True)
