@@ -26,8 +26,8 @@ def ready(
     What startup allocated (torch and the other modules, the model, the servers: ~200,000
     objects) lives as long as the process, so it is moved out of the garbage collector's
     generations first: a full collection over it paused the event loop (and the engine thread,
-    through the GIL) for ~90 ms on an AVX2 Zen 3, every few hundred requests under load
-    (docs/benchmarks.md, gateway overhead)."""
+    through the GIL) for 120-150 ms on an AVX2 Zen 3, about once a minute at 32 users
+    (docs/architecture.md, "Server processes freeze their startup heap")."""
     gc.collect()
     gc.freeze()
     extra = "" if http is None else f" http={http}"
