@@ -21,13 +21,18 @@ DISAGGREGATED = [
 
 
 @contextlib.contextmanager
-def cluster(workers: list[list[str]], env: dict[str, str] | None = None):
-    """A gateway and ``workers`` (argv each) as real processes; yields (gateway address, the
-    processes) and stops them all on exit."""
+def cluster(
+    workers: list[list[str]],
+    env: dict[str, str] | None = None,
+    gateway_args: list[str] | None = None,
+):
+    """A gateway (with ``gateway_args`` too) and ``workers`` (argv each) as real processes;
+    yields (gateway address, the processes) and stops them all on exit."""
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
     procs = []
     try:
-        gw = start_process(["gateway", "--port", "0", "--http-port", "-1"], env=env)
+        argv = ["gateway", "--port", "0", "--http-port", "-1", *(gateway_args or [])]
+        gw = start_process(argv, env=env)
         procs.append(gw.proc)
         for argv in workers:
             procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)

@@ -15,6 +15,8 @@ one short warm-up (different prompts) before the measured load. Server CPU secon
 
 A pdserve system is ``NAME=colocated|disaggregated [worker options]``; disaggregated is one
 prefill worker on core 0 and one decode worker on core 1 (one thread each), as ``pdserve up``.
+Options written ``gateway:OPTION`` go to the gateway instead, e.g.
+``up-q4=disaggregated --quantization gguf gateway:--decode-prefill-budget=3``.
 """
 
 from __future__ import annotations
@@ -68,14 +70,16 @@ def measure(tool: str, url: str, procs, requests: int, users: int, args) -> dict
 
 
 def run_pdserve(spec: str, requests: int, users: int, args) -> dict:
-    kind, *engine = shlex.split(spec)
+    kind, *options = shlex.split(spec)
+    engine = [o for o in options if not o.startswith("gateway:")]
+    gateway = [o.removeprefix("gateway:") for o in options if o.startswith("gateway:")]
     if kind == "colocated":
         workers = [["colocated", *engine]]
     elif kind == "disaggregated":
         workers = [[*w, *engine] for w in DISAGGREGATED]
     else:
         raise SystemExit(f"pdserve system kind {kind!r}: use colocated or disaggregated")
-    with cluster(workers) as (address, procs):
+    with cluster(workers, gateway_args=gateway) as (address, procs):
         return measure("grpc_load.py", address, procs, requests, users, args)
 
 
