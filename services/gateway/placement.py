@@ -16,8 +16,10 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
 Times come from one rate per prefill worker: prompt tokens per second, measured on every
 disaggregated prefill as (tokens queued ahead + its own) / its duration, an exponential average.
 A decode worker is assumed to prefill at the rate of the prefill worker it would have used (same
-model; the roles run the same engine). Until a rate is measured, only the short-prompt rule
-applies. ``decode_prefill_budget_s`` 0 turns the whole thing off: always disaggregate.
+model; the roles run the same engine). Until this gateway has measured a rate, the prefill
+worker's own is used (``prefill_token_s`` in its heartbeats, measured by its engine from its
+warm-up on); without either, only the short-prompt rule applies. ``decode_prefill_budget_s`` 0
+turns the whole thing off: always disaggregate.
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: fl
     prefill.prefill_rate = rate if prev is None else prev + RATE_WEIGHT * (rate - prev)
 
 
+def _reported_rate(w: Worker) -> float | None:
+    """Prompt tokens per second as ``w`` reports them (services/gateway/cost.py Report)."""
+    token_s = w.report.token_s if w.report is not None else 0.0
+    return 1.0 / token_s if token_s > 0 else None
+
+
 def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
     """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED."""
     if cfg.decode_prefill_budget_s <= 0:
         return DISAGGREGATED
     if num_tokens <= cfg.local_prefill_tokens:
         return SHORT_PROMPT
-    rate = prefill.prefill_rate
+    rate = prefill.prefill_rate or _reported_rate(prefill)
     if not rate:
         return DISAGGREGATED
     wait_there = prefill.outstanding_tokens / rate  # a prefill worker's are prompt tokens only

@@ -7,9 +7,11 @@ import grpc
 import pytest
 from pdserve.services.gateway import placement
 from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.cost import Report
 from pdserve.services.gateway.registry import Worker
 
 from pdserve import Client, SamplingParams
+from pdserve.v1 import worker_pb2
 from tests.helpers import assert_no_leaks
 
 CFG = GatewayConfig(local_prefill_tokens=32, decode_prefill_budget_s=0.5)
@@ -20,6 +22,10 @@ def _worker(role: str, **state) -> Worker:
     for k, v in state.items():
         setattr(w, k, v)
     return w
+
+
+def _report(token_s: float) -> Report:
+    return Report(0.0, worker_pb2.WorkerStats(prefill_token_s=token_s))
 
 
 def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
@@ -52,6 +58,17 @@ def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
         ),
         # queued long there, but 0.6 s here is over the budget
         (600, {"prefill_rate": 1000.0, "outstanding_tokens": 5000}, {}, placement.DISAGGREGATED),
+        # nothing measured by this gateway yet: the worker's own report (1 ms a token) decides
+        (400, {"report": _report(0.001), "outstanding_tokens": 600}, {}, placement.PREFILL_BUSY),
+        (400, {"report": _report(0.0), "outstanding_tokens": 600}, {}, placement.DISAGGREGATED),
+        # ... and what this gateway measured comes first: 0.3 s here at its 2,000 tokens/s, within
+        # the budget (at the report's 1,000, 0.6 s would not be)
+        (
+            600,
+            {"prefill_rate": 2000.0, "report": _report(0.001), "outstanding_tokens": 5000},
+            {},
+            placement.PREFILL_BUSY,
+        ),
     ],
 )
 def test_decisions(tokens, prefill_state, decode_state, want):
