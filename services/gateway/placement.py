@@ -25,6 +25,7 @@ turns the whole thing off: always disaggregate.
 from __future__ import annotations
 
 from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.cost import measured_token_s
 from pdserve.services.gateway.registry import Worker
 
 RATE_WEIGHT = 0.2  # of a new measurement in the average
@@ -43,21 +44,18 @@ def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: fl
     prefill.prefill_rate = rate if prev is None else prev + RATE_WEIGHT * (rate - prev)
 
 
-def _reported_rate(w: Worker) -> float | None:
-    """Prompt tokens per second as ``w`` reports them (services/gateway/cost.py Report)."""
-    token_s = w.report.token_s if w.report is not None else 0.0
-    return 1.0 / token_s if token_s > 0 else None
-
-
 def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
     """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED."""
     if cfg.decode_prefill_budget_s <= 0:
         return DISAGGREGATED
     if num_tokens <= cfg.local_prefill_tokens:
         return SHORT_PROMPT
-    rate = prefill.prefill_rate or _reported_rate(prefill)
-    if not rate:
-        return DISAGGREGATED
+    rate = prefill.prefill_rate
+    if not rate:  # none measured here yet: the worker's own, if it reported one
+        token_s = measured_token_s(prefill, prefill.report)
+        if token_s is None:
+            return DISAGGREGATED
+        rate = 1.0 / token_s
     wait_there = prefill.outstanding_tokens / rate  # a prefill worker's are prompt tokens only
     here = (decode.local_prefill_tokens + num_tokens) / rate
     if wait_there > here and here <= cfg.decode_prefill_budget_s:
