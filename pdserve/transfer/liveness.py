@@ -42,6 +42,7 @@ GONE_GRACE_S = 1.0  # after a sender's connection ends, for its data still in fl
 CONNECT_TIMEOUT_S = 2.0
 KEEPALIVE = (10, 5, 3)  # idle s, interval s, probes: a silent sender host is given up in ~25 s
 RETRY_AFTER_S = 30.0  # a receiver whose liveness port refused: try again after this long
+REMEMBER_GONE_S = 600.0  # how long a gone sender is remembered (for its failed transfers)
 _ENDPOINT = struct.Struct("<HH")  # port, length of the host name that follows
 
 log = telemetry.logger()
@@ -92,6 +93,7 @@ class LivenessListener:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._ids: dict[socket.socket, bytearray] = {}  # connection -> its id, as far as read
         self._count: dict[bytes, int] = {}  # sender id -> its open connections
+        self._gone: dict[bytes, tuple[float, bool]] = {}  # sender id -> (when, proven)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kv-liveness", daemon=True)
         self._thread.start()
@@ -104,6 +106,13 @@ class LivenessListener:
     def alive(self, sender_id: bytes) -> bool:
         """Whether ``sender_id`` has a connection open (safe from any thread)."""
         return sender_id in self._count
+
+    def gone(self, sender_id: bytes) -> tuple[float, bool] | None:
+        """``(when, proven)`` if ``sender_id``'s last connection has ended, else None (safe from
+        any thread). A sender is recorded gone before it stops being ``alive``: asked in that
+        order, a sender this listener has heard from is always one or the other, even while
+        ``on_gone`` has not run yet."""
+        return self._gone.get(sender_id)
 
     def close(self) -> None:
         self._stopping = True
@@ -157,6 +166,7 @@ class LivenessListener:
             if len(seen) == SENDER_ID_NBYTES:
                 sid = bytes(seen)
                 self._count[sid] = self._count.get(sid, 0) + 1
+                self._gone.pop(sid, None)
             return
         if data:
             return  # a sender says nothing after its id; ignore anything else
@@ -168,6 +178,10 @@ class LivenessListener:
         sid = bytes(seen)
         self._count[sid] -= 1
         if self._count[sid] == 0:
+            now = time.monotonic()
+            gone = {s: g for s, g in self._gone.items() if g[0] > now - REMEMBER_GONE_S}
+            gone[sid] = (now, proven)
+            self._gone = gone  # first: see gone()
             del self._count[sid]
             self._on_gone(sid, proven)
 

@@ -147,8 +147,9 @@ class RecvTransfer:
 
     @property
     def unsettled(self) -> bool:
-        """Over, but a receive into the destination is still under way (``hold_settle``)."""
-        return self.over and self._in_flight > 0
+        """Over, but a receive into the destination is still under way (``hold_settle``) and
+        has not been given up (``expire_settle``)."""
+        return self.over and self._in_flight > 0 and not self.settled.done()
 
     def layer_complete(self, layer: int) -> bool:
         return self._blocks_landed[layer] >= self.num_blocks

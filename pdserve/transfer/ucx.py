@@ -138,7 +138,7 @@ class UCXTransport(KVTransport):
         endpoint = pack_endpoint("", 0)
         if liveness_host is not None:
             self._liveness = LivenessListener(liveness_host, self._receiver.sender_gone)
-            self._receiver.sender_alive = self._liveness.alive
+            self._receiver.liveness = self._liveness
             advertised = liveness_advertise or liveness_host
             endpoint = pack_endpoint(advertised, self._liveness.port)
         self._address = pack_address(layout, endpoint + bytes(self._ucx.worker.address))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from pdserve.transfer.errors import HeaderMismatchError, PeerUnreachableError, TransferError
 from pdserve.transfer.fence import BlockFence
 from pdserve.transfer.header import KVLayout
-from pdserve.transfer.liveness import GONE_GRACE_S, read_sender
+from pdserve.transfer.liveness import GONE_GRACE_S, LivenessListener, read_sender
 from pdserve.transfer.plan import (
     PLAN_NBYTES,
     PLAN_SUB,
@@ -93,10 +92,9 @@ class UCXReceiver:
         self._pool_bytes = pool_bytes
         self._recvs: dict[int, _Recv] = {}
         self._draining: dict[int, _Slot] = {}
-        # Senders known to be gone (liveness.py), and the unsettled transfers of live ones
-        self._gone: dict[bytes, tuple[float, bool]] = {}  # sender id -> (when, proven)
+        # The unsettled failed transfers of senders not known to be gone (liveness.py)
         self._held: dict[bytes, list[RecvTransfer]] = {}
-        self.sender_alive: Callable[[bytes], bool] = lambda sender: False  # UCXTransport's
+        self.liveness: LivenessListener | None = None  # UCXTransport's
 
     def expect(self, transfer_id: int, destination: KVDestination, timeout: float) -> RecvTransfer:
         transfer = RecvTransfer(self.layout, transfer_id, destination, timeout, self._ucx)
@@ -222,15 +220,24 @@ class UCXReceiver:
     def _hold(self, transfer: RecvTransfer, sender: bytes | None) -> None:
         """``transfer`` failed with a receive into its blocks under way: they stay fenced until
         that receive ends; or, from a sender with a liveness connection open, until that sender
-        is gone (plus a grace); or else until ``fence_timeout_s`` (liveness.py)."""
-        if sender is not None and sender in self._gone:
-            self._give_up(transfer, *self._gone[sender])
-        elif sender is not None and self.sender_alive(sender):
-            held = self._held.setdefault(sender, [])
-            held[:] = [t for t in held if t.unsettled]
-            held.append(transfer)  # no timeout: a stopped sender keeps its blocks
-        else:  # no word on its sender: a timeout is all there is
+        is gone (plus a grace); or else until ``fence_timeout_s`` (liveness.py). ``alive`` is
+        asked before ``gone``: the listener records a sender gone before it stops counting it
+        alive, and its notice (``sender_gone``) may not have reached this thread yet."""
+        live = self.liveness
+        if sender is None or live is None:  # no word on its sender: a timeout is all there is
             self._give_up(transfer, time.monotonic(), False)
+        elif live.alive(sender):
+            self._keep(sender, transfer)  # no timeout: a stopped sender keeps its blocks
+        elif (gone := live.gone(sender)) is not None:
+            self._give_up(transfer, *gone)
+        else:  # not heard from yet (its id may still be on its way): whichever comes first
+            self._keep(sender, transfer)
+            self._give_up(transfer, time.monotonic(), False)
+
+    def _keep(self, sender: bytes, transfer: RecvTransfer) -> None:
+        held = self._held.setdefault(sender, [])
+        held[:] = [t for t in held if t.unsettled]
+        held.append(transfer)
 
     def _give_up(self, transfer: RecvTransfer, since: float, proven: bool) -> None:
         """Settle ``transfer`` a grace after its sender was proven gone, or ``fence_timeout_s``
@@ -247,9 +254,6 @@ class UCXReceiver:
 
     def _sender_gone(self, sender: bytes, proven: bool) -> None:
         now = time.monotonic()
-        forget = now - max(self.fence_timeout_s or 0.0, 600.0)
-        self._gone = {s: g for s, g in self._gone.items() if g[0] > forget}
-        self._gone[sender] = (now, proven)
         for transfer in self._held.pop(sender, []):
             if transfer.unsettled:
                 self._give_up(transfer, now, proven)

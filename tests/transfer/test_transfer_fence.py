@@ -166,6 +166,20 @@ class StoppableSender:
         peers.stop(self.proc)
 
 
+def stop_landing(
+    sender: StoppableSender, receiver: KVTransport, pools: Pools, dst, tid: int
+) -> RecvTransfer:  # noqa: ANN001
+    """Transfer ``tid`` into ``dst``, its sender stopped (SIGSTOP) once its first bytes landed."""
+    for p in (*pools.k, *pools.v):
+        p.zero_()
+    rt = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
+    sender.send(tid, tid, dst)
+    first = pools.k[0][int(dst[0])]
+    wait_for(lambda: bool(first.any()) or rt.done(), what="the first bytes to land")
+    os.kill(sender.proc.pid, signal.SIGSTOP)
+    return rt
+
+
 def stop_half_way(
     sender: StoppableSender, receiver: KVTransport, pools: Pools, dst
 ) -> RecvTransfer:  # noqa: ANN001
@@ -173,15 +187,7 @@ def stop_half_way(
     which the receiver then cancelled: it is over, not settled. Retried when the stop happens to
     fall between two messages (rare: several 16 MiB messages are in flight at once)."""
     for attempt in range(1, 6):
-        tid = 10 + attempt
-        for p in (*pools.k, *pools.v):
-            p.zero_()
-        rt = receiver.expect(tid, PoolDestination(pools.k, pools.v, dst), timeout=20.0)
-        sender.send(tid, tid, dst)
-        first = pools.k[0][int(dst[0])]
-        landing = lambda first=first, rt=rt: bool(first.any()) or rt.done()  # noqa: E731
-        wait_for(landing, what="the first bytes to land")
-        os.kill(sender.proc.pid, signal.SIGSTOP)
+        rt = stop_landing(sender, receiver, pools, dst, 10 + attempt)
         rt.cancel("the request went away")
         with contextlib.suppress(TransferError):  # unless it had landed whole already
             rt.wait()
@@ -293,4 +299,36 @@ def test_a_sender_killed_half_way_frees_its_blocks_once_its_liveness_link_ends()
         assert again.settled.done()
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_a_transfer_that_fails_after_its_sender_died_is_given_up_within_the_grace() -> None:
+    """The request is cancelled after its sender was killed half-way, before the liveness
+    listener's notice of the death has reached the transport's thread (here it never does, as
+    under a busy GIL): the transport still knows the sender is gone, and the blocks are given up
+    a grace after the death, not at the fence timeout (a decode worker held them 120 s)."""
+    receiver = UCXTransport(BIG, fence_timeout_s=60.0)
+    receiver._liveness._on_gone = lambda sender, proven: None  # the notice is late: never here
+    pools = Pools(BIG, BIG_POOL)
+    dst = torch.arange(8, 8 + BIG_BLOCKS)
+    try:
+        for attempt in range(1, 6):
+            sender = StoppableSender(receiver.address())
+            try:
+                rt = stop_landing(sender, receiver, pools, dst, 10 + attempt)
+                os.kill(sender.proc.pid, signal.SIGKILL)
+                wait_for(lambda: receiver.live_senders() == 0, what="the sender's link to end")
+                rt.cancel("the request went away")
+                with contextlib.suppress(TransferError):
+                    rt.wait()
+                if rt.settled.done():
+                    continue  # killed between two messages: nothing was half-way in
+                rt.settled.result(timeout=10.0)  # the grace (1 s), not fence_timeout_s
+                assert rt.expired and receiver.counters().fences_expired == 1
+                assert receiver.counters().unsettled_blocks == 0
+                return
+            finally:
+                sender.close()
+        raise AssertionError("the sender was never killed in the middle of a message")
+    finally:
         receiver.close()
