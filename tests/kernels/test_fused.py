@@ -122,7 +122,24 @@ def test_silu_mul(dtype, monkeypatch):
     assert_within_ulps(fused.silu_mul(gate_up), want, 0.01)
 
 
-@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_silu_mul_eight_lanes_at_a_time_equal_one_at_a_time(monkeypatch):
+    """fp32 rows go through silu_mul eight elements at a time and their tail one at a time: the
+    same values give the same bits either way, the ends of exp's range, infinities and NaN
+    included."""
+    no_reference(monkeypatch)
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.randn(45, generator=gen) * 30
+    gate[:9] = torch.tensor([-100.0, -88.0, -87.3, 0.0, 1e-30, 88.0, 88.8, 100.0, -0.0])
+    gate[9:12] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    up = torch.randn(45, generator=gen)
+    lanes = fused.silu_mul(torch.cat([gate, up])[None])  # 5 vectors of 8, then a tail of 5
+    ones = torch.cat(
+        [fused.silu_mul(torch.stack([g, u])[None]) for g, u in zip(gate, up, strict=True)], 1
+    )
+    torch.testing.assert_close(lanes, ones, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 15, 16, 17, 49152])
 def test_argmax_matches_torch_ties_and_nans(vocab, monkeypatch):
     """Random rows (bf16-rounded logits repeat values: ties), then the cases torch defines: the
     first of equal maxima, the first NaN, rows of -inf, a maximum in the tail past the last 16."""
