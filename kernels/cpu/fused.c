@@ -55,28 +55,23 @@ static inline uint16_t to_bf16(float f) { /* f already rounded to a bf16 value *
 
 static inline float same(float f) { return f; }
 
-/* exp(x) for any float x (Cephes expf, ~1 ulp; no branches, so it vectorizes); inf above
+#include "exp8.h"
+
+/* exp(x) for any float x on eight lanes (Cephes expf, exp8.h; no branches); inf above
  * ln(FLT_MAX), as expf. */
-static inline float exp_any(float x) {
-    const float big = x > 88.72283f ? INFINITY : 1.0f;
-    x = x < -87.3f ? -87.3f : x; /* not fminf/fmaxf: calls into libm, which stop vectorizing */
-    x = x > 88.72283f ? 88.72283f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint, no libm */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
+static inline v8f exp_any8(v8f x) {
+    const v8f big = select8(x > 88.72283f, splat8(INFINITY), splat8(1.0f));
+    x = select8(x < -87.3f, splat8(-87.3f), x);
+    x = select8(x > 88.72283f, splat8(88.72283f), x);
+    v8f n;
+    const v8f y = exp8_reduced(x, &n);
     /* 2^n as 2 * 2^(n-1): n reaches 128 just below ln(FLT_MAX), where 2^n alone is inf */
-    const int32_t e = ((int32_t)n + 126) << 23;
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
+    const v8f scale = (v8f)((__builtin_convertvector(n, v8i) + 126) << 23);
     return (y * 2.0f) * scale * big;
 }
+
+/* The same for one float: the operations of one lane. */
+static inline float exp_any(float x) { return exp_any8(splat8(x))[0]; }
 
 /*
  * The row functions, written once over T (the element type), LOAD (T -> float), STORE (a float
@@ -130,41 +125,11 @@ ROW_FUNCTIONS(f32, float, same, same, same)
 ROW_FUNCTIONS(bf16, uint16_t, bf16_to_f32, to_bf16, round_bf16)
 
 /*
- * fp32 silu_mul eight lanes at a time (GNU C vector extensions: AVX registers here, NEON or SSE
- * pairs elsewhere). gcc leaves silu_mul_row_f32's loop scalar (its exp's selects become
- * branches): on a Zen 3 (2 threads, timed through the Python entry point) one 1,536-wide row took
- * 32 us and 32 rows 275 us, eight lanes 12 and 54 us. Each lane does exp_any's and the row
- * function's operations in the same order, unfused (fp-contract off), so the results are the
- * scalar ones bit for bit.
+ * fp32 silu_mul eight lanes at a time. gcc leaves silu_mul_row_f32's loop scalar: on a Zen 3
+ * (2 threads, timed through the Python entry point) one 1,536-wide row took 32 us and 32 rows
+ * 275 us, eight lanes 12 and 54 us. Each lane does the row function's operations in the same
+ * order, unfused (fp-contract off), so the results are its results bit for bit.
  */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
-
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-static inline v8f select8(v8i mask, v8f a, v8f b) { /* mask ? a : b, lane by lane */
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
-
-static inline v8f exp_any8(v8f x) {
-    const v8f big = select8(x > 88.72283f, splat8(INFINITY), splat8(1.0f));
-    x = select8(x < -87.3f, splat8(-87.3f), x);
-    x = select8(x > 88.72283f, splat8(88.72283f), x);
-    const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v8f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v8f p = splat8(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v8f y = p * r * r + r + 1.0f;
-    const v8f scale = (v8f)((__builtin_convertvector(n, v8i) + 126) << 23);
-    return (y * 2.0f) * scale * big;
-}
-
 static void silu_mul_row_f32_v8(const float *restrict gate, const float *restrict up,
                                 float *restrict out, int64_t n) {
     int64_t i = 0;

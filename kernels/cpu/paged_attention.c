@@ -42,8 +42,8 @@
 
 #define TILE 32 /* tokens per softmax tile; a multiple of 8 */
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "exp8.h" /* v8f, v8i, v8f_u, exp8_reduced */
+
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
@@ -54,9 +54,6 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 #endif
 
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-/* Unaligned, aliasing-safe vector access (memcpy here gets merged into byte-copy loops). */
-typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
 
 static inline v8f load8f(const float *p) { return *(const v8f_u *)p; }
 
@@ -80,22 +77,12 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* exp(x) for x <= 0 (Cephes expf: exp(x) = 2^n exp(r), |r| <= ln2/2, ~1 ulp); x < -87 -> 0. */
+/* exp(x) for x <= 0 (Cephes expf, exp8.h); x < -87 -> 0. */
 static inline v8f exp8_nonpos(v8f x) {
     const v8i keep = x > splat(-87.0f);
-    x = (v8f)(((v8i)x & keep) | ((v8i)splat(-87.0f) & ~keep));
-    v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    v8f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v8f p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v8f y = p * r * r + r + 1.0f;
-    v8i pow2n = (__builtin_convertvector(n, v8i) + 127) << 23;
-    y = y * (v8f)pow2n;
+    v8f n;
+    v8f y = exp8_reduced(select8(keep, x, splat(-87.0f)), &n);
+    y = y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
     return (v8f)((v8i)y & keep);
 }
 
