@@ -42,7 +42,7 @@
 
 #define TILE 32 /* tokens per softmax tile; a multiple of 8 */
 
-#include "exp8.h" /* v8f, v8i, v8f_u, exp8_reduced */
+#include "exp8.h" /* v8f, v8i, v8f_u, splat8, select8, exp8_reduced */
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -52,8 +52,6 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 #else
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 static inline v8f load8f(const float *p) { return *(const v8f_u *)p; }
 
@@ -79,9 +77,9 @@ static inline float hsum8(v8f v) {
 
 /* exp(x) for x <= 0 (Cephes expf, exp8.h); x < -87 -> 0. */
 static inline v8f exp8_nonpos(v8f x) {
-    const v8i keep = x > splat(-87.0f);
+    const v8i keep = x > splat8(-87.0f);
     v8f n;
-    v8f y = exp8_reduced(select8(keep, x, splat(-87.0f)), &n);
+    v8f y = exp8_reduced(select8(keep, x, splat8(-87.0f)), &n);
     y = y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
     return (v8f)((v8i)y & keep);
 }
@@ -108,7 +106,7 @@ static inline void qk_tile(const float *restrict q, const float *restrict k, int
         const float *rows[8];
         for (int j = 0; j < 8; j++) rows[j] = k + (t0 + j < n ? t0 + j : n - 1) * stride;
         v8f a[8];
-        for (int j = 0; j < 8; j++) a[j] = splat(0.0f);
+        for (int j = 0; j < 8; j++) a[j] = splat8(0.0f);
         for (int d = 0; d < d8; d += 8) {
             const v8f qv = load8f(q + d);
             for (int j = 0; j < 8; j++) a[j] += qv * load8f(rows[j] + d);
@@ -130,7 +128,7 @@ static inline void pv_tile(const float *restrict p, const float *restrict v, int
         v8f a[8];
         for (int j = 0; j < 8; j++) a[j] = load8f(acc + d + 8 * j) * alpha;
         for (int t = 0; t < n; t++) {
-            const v8f pt = splat(p[t]);
+            const v8f pt = splat8(p[t]);
             const float *row = v + t * stride + d;
             for (int j = 0; j < 8; j++) a[j] += pt * load8f(row + 8 * j);
         }
@@ -161,8 +159,8 @@ static void attend_tile(const float *restrict qs, const float *k, const float *v
         }
         float m_new = m[h];
         for (int j = 0; j < 8; j++) m_new = top[j] > m_new ? top[j] : m_new;
-        const float alpha = exp8_nonpos(splat(m[h] - m_new))[0]; /* 0 on the first tile */
-        v8f sum = splat(0.0f);
+        const float alpha = exp8_nonpos(splat8(m[h] - m_new))[0]; /* 0 on the first tile */
+        v8f sum = splat8(0.0f);
         for (int t = 0; t < n; t += 8) {
             const v8f e = exp8_nonpos(load8f(scores + t) - m_new);
             store8f(scores + t, e);
@@ -285,7 +283,7 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
         for (int d = 0; d < head_dim; d++) acc[d] = 0.0f;
         for (int64_t c = 0; c < spans; c++) {
             const float *pc = part + c * part_size;
-            const float f = spans == 1 ? 1.0f : exp8_nonpos(splat(pc[h] - top))[0];
+            const float f = spans == 1 ? 1.0f : exp8_nonpos(splat8(pc[h] - top))[0];
             l += pc[group + h] * f;
             for (int d = 0; d < head_dim; d++) acc[d] += pc[2 * group + h * head_dim + d] * f;
         }
