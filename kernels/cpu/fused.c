@@ -55,9 +55,9 @@ static inline uint16_t to_bf16(float f) { /* f already rounded to a bf16 value *
 
 static inline float same(float f) { return f; }
 
-#include "exp8.h"
+#include "vec8.h"
 
-/* exp(x) for any float x on eight lanes (Cephes expf, exp8.h; no branches); inf above
+/* exp(x) for any float x on eight lanes (Cephes expf, vec8.h; no branches); inf above
  * ln(FLT_MAX), as expf. */
 static inline v8f exp_any8(v8f x) {
     const v8f big = select8(x > 88.72283f, splat8(INFINITY), splat8(1.0f));
@@ -142,16 +142,9 @@ static void silu_mul_row_f32_v8(const float *restrict gate, const float *restric
 
 /* The same for bf16 rows where there is no AVX-512 (the row function's bf16 roundings, lane by
  * lane: round_bf16 on eight lanes). Zen 3, as above: one row 34 -> 19 us, 32 rows 425 -> 79 us. */
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
-
-static inline v8f widen_bf16_8(const uint16_t *p) {
-    return (v8f)(__builtin_convertvector(*(const v8u16 *)p, v8u32) << 16);
-}
-
 static inline v8f round_bf16_8(v8f f) {
-    const v8u32 u = (v8u32)f;
-    const v8u32 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v8u u = (v8u)f;
+    const v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     return select8((v8i)((u & 0x7fffffffu) > 0x7f800000u), f, (v8f)r); /* NaN stays NaN */
 }
 
@@ -161,7 +154,7 @@ static void silu_mul_row_bf16_v8(const uint16_t *restrict gate, const uint16_t *
     for (; i + 8 <= n; i += 8) {
         const v8f g = widen_bf16_8(gate + i);
         const v8f y = round_bf16_8(round_bf16_8(g / (1.0f + exp_any8(-g))) * widen_bf16_8(up + i));
-        *(v8u16 *)(out + i) = __builtin_convertvector((v8u32)y >> 16, v8u16);
+        *(v8h_u *)(out + i) = __builtin_convertvector((v8u)y >> 16, v8h_u);
     }
     silu_mul_row_bf16(gate + i, up + i, out + i, n - i);
 }

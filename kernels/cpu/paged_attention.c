@@ -42,10 +42,7 @@
 
 #define TILE 32 /* tokens per softmax tile; a multiple of 8 */
 
-#include "exp8.h" /* v8f, v8i, v8f_u, splat8, select8, exp8_reduced */
-
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
+#include "vec8.h" /* v8f, v8i, v8f_u, splat8, select8, widen_bf16_8, exp8_reduced */
 
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -75,7 +72,7 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* exp(x) for x <= 0 (Cephes expf, exp8.h); x < -87 -> 0. */
+/* exp(x) for x <= 0 (Cephes expf, vec8.h); x < -87 -> 0. */
 static inline v8f exp8_nonpos(v8f x) {
     const v8i keep = x > splat8(-87.0f);
     v8f n;
@@ -178,17 +175,7 @@ static void widen_rows(const uint16_t *src, int64_t stride, int n, int head_dim,
     for (int t = 0; t < n; t++) {
         const uint16_t *row = src + t * stride;
         float *out = dst + (int64_t)t * head_dim;
-        for (int d = 0; d < d8; d += 8) {
-#if defined(__AVX2__) /* gcc splits __builtin_convertvector into 128-bit halves */
-            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + d)));
-            _mm256_storeu_si256((__m256i *)(out + d), _mm256_slli_epi32(h, 16));
-#else
-            v8h h;
-            memcpy(&h, row + d, sizeof h);
-            const v8f f = (v8f)(__builtin_convertvector(h, v8u) << 16);
-            memcpy(out + d, &f, sizeof f);
-#endif
-        }
+        for (int d = 0; d < d8; d += 8) store8f(out + d, widen_bf16_8(row + d));
         for (int d = d8; d < head_dim; d++) out[d] = bf16_to_f32(row[d]);
     }
 }
