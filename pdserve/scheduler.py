@@ -3,7 +3,10 @@
 Each step: every decoding sequence gets one token, the rest of the token budget goes to prompt
 chunks (running prefills first, then newly admitted requests, FCFS). A request is admitted only
 when blocks for its whole lifetime (prompt + max_tokens - 1) can be allocated, so no running
-request ever runs out of KV mid-decode and nothing is ever evicted.
+request ever runs out of KV mid-decode and nothing is ever evicted. A request whose next
+uncached prompt block a running prefill is computing waits for it, keeping its place (those
+behind it that do not wait go ahead), rather than computing the same prefix again beside it: chat
+sessions that share a system prompt and arrive together compute it once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ class ScheduledBatch:
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def pending_hashes(seqs, block_size: int) -> set[bytes]:
+    """The hashes of the full prompt blocks that these sequences' prefills have yet to compute
+    (each is registered, and so found by ``lookup``, once computed)."""
+    out: set[bytes] = set()
+    for s in seqs:
+        if s.in_prefill:
+            out.update(s.block_hashes[s.num_computed_tokens // block_size :])
+    return out
 
 
 class Scheduler:
@@ -106,11 +119,19 @@ class Scheduler:
                 n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
                 batch.prefills.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and self.num_seats_taken < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        pending = pending_hashes(self.running, self.block_size)
+        i = 0  # the first waiting request not waiting for a prefix being computed
+        while (
+            i < len(self.waiting) and budget > 0 and self.num_seats_taken < self.config.max_num_seqs
+        ):
+            seq = self.waiting[i]
+            if pending and self._cached_blocks(seq, pending)[1]:
+                i += 1  # it keeps its place and reuses the prefix once computed
+                continue
             if not self._allocate(seq):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS: nobody overtakes a request that does not fit
+            pending.update(pending_hashes((seq,), self.block_size))
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -120,19 +141,26 @@ class Scheduler:
 
     def num_prompt_tokens_to_compute(self) -> int:
         """Prompt tokens still to compute here: the rest of running prefills, and the prompts
-        waiting less their cached leading blocks. Read from another thread (heartbeats): works on
-        copies taken in one C-level call each."""
-        n = sum(
-            s.num_prompt_tokens - s.num_computed_tokens for s in tuple(self.running) if s.in_prefill
-        )
+        waiting less their leading blocks cached or being computed. Read from another thread
+        (heartbeats): works on copies taken in one C-level call each."""
+        running = tuple(self.running)
+        n = sum(s.num_prompt_tokens - s.num_computed_tokens for s in running if s.in_prefill)
+        pending = pending_hashes(running, self.block_size)
         for seq in tuple(self.waiting):
-            hits = 0
-            for block_hash in seq.block_hashes[: (seq.num_prompt_tokens - 1) // self.block_size]:
-                if self.allocator.lookup(block_hash) is None:
-                    break
-                hits += 1
-            n += seq.num_prompt_tokens - hits * self.block_size
+            n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
         return n
+
+    def _cached_blocks(self, seq: Sequence, pending: set[bytes]) -> tuple[int, bool]:
+        """(the leading prompt blocks of ``seq`` that are cached or in ``pending``, whether any
+        of them is pending), up to the blocks a prompt may reuse (``_allocate``)."""
+        n, waits = 0, False
+        for block_hash in seq.block_hashes[: (seq.num_prompt_tokens - 1) // self.block_size]:
+            if self.allocator.lookup(block_hash) is None:
+                if block_hash not in pending:
+                    break
+                waits = True
+            n += 1
+        return n, waits
 
     def postprocess(self, batch: ScheduledBatch) -> None:
         """After the forward: advance computed counts and publish newly completed prompt blocks."""

@@ -134,3 +134,45 @@ def test_abort_of_waiting_and_running_frees_blocks():
     s.finish(a, "abort")
     s.finish(a, "abort")  # idempotent
     assert alloc.num_free_blocks == 3 and not s.has_unfinished()
+
+
+def test_a_prompt_whose_prefix_is_being_computed_waits_for_it_and_reuses_it():
+    s, alloc = make(num_blocks=32)
+    a, b = seq("a", 10, 2), seq("b", 10, 2)  # the same prompt: 2 full blocks and 2 tokens
+    c = seq("c", 6, 2, first=50)  # another prompt, behind b in the queue
+    for q in (a, b, c):
+        s.add(q)
+    first = run_step(s)
+    # b would compute a's prefix beside it: it keeps its place, c goes ahead
+    assert [q.request_id for q, _ in first.prefills] == ["a", "c"]
+    assert b.status is SequenceStatus.WAITING and list(s.waiting) == [b]
+    second = s.schedule()
+    assert second.prefills == [(b, 2)] and b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    for q in (a, b, c):
+        s.finish(q, "abort")
+    assert alloc.num_free_blocks == 32
+
+
+def test_a_prompt_waiting_for_a_prefix_computes_it_when_its_computer_is_aborted():
+    s, alloc = make(num_blocks=32, budget=4)  # a's 10 tokens take three steps
+    a, b = seq("a", 10, 2), seq("b", 10, 2)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a's first block computed (and cached); its second is still to come
+    assert b.status is SequenceStatus.WAITING
+    # the queue's estimate counts b's prefix as computed here: a computes it
+    assert s.num_prompt_tokens_to_compute() == (10 - 4) + (10 - 8)
+    s.finish(a, "abort")
+    batch = s.schedule()
+    assert batch.prefills == [(b, 4)] and b.num_cached_tokens == 4  # a's first block, kept
+    s.finish(b, "abort")
+    assert alloc.num_free_blocks == 32
+
+
+def test_prompts_of_other_prefixes_are_admitted_together():
+    s, _ = make(num_blocks=32)
+    qs = [seq(str(i), 10, 2, first=100 * i) for i in range(3)]
+    for q in qs:
+        s.add(q)
+    assert [q for q, _ in s.schedule().prefills] == qs

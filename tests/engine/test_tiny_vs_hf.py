@@ -93,3 +93,20 @@ def test_bf16_stays_close_to_fp32(tiny_model, device):
     ids = list(ours)
     # bf16 keeps 8 mantissa bits: logprobs within a few hundredths of fp32's.
     assert torch.allclose(torch.tensor([ours[i] for i in ids]), ref_lps[0][ids], atol=0.1)
+
+
+def test_prompts_sharing_a_prefix_sent_together_compute_it_once(tiny_model):
+    """The first computes the shared prefix; the others wait for it, reuse its blocks and still
+    decode exactly what transformers does."""
+    llm, hf = llm_and_hf(tiny_model, "gqa_untied", "float32", "cpu")
+    shared = [1] + list(range(40, 77))  # 38 tokens: 9 full blocks of 4
+    prompts = [shared + [300 + i, 17, 18 + i] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens, cached = [[] for _ in prompts], [0] * len(prompts)
+    for i, out in llm.generate_stream(prompts, params):
+        tokens[i] += out.new_token_ids
+        cached[i] = max(cached[i], out.num_cached_tokens)
+    assert cached == [0, 36, 36]
+    for prompt, got in zip(prompts, tokens, strict=True):
+        assert got == hf_greedy(hf, prompt, 8)[0]
+    assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
