@@ -2,13 +2,16 @@
 
 One set of real processes: 2 prefill workers (one core each) and 1 decode worker, registered with
 two gateways, one per policy. Each round runs ``--sessions`` chat sessions at once, each
-``--turns`` turns long, a random pause before each: every turn sends the whole conversation (a shared system prompt of
-``--system-words`` words, then the user and assistant turns so far, then a new user message of
-``--user-words`` words) and appends the streamed reply. Each round has a system prompt of its own
-(no round finds another's in a cache), and the rounds alternate between the gateways
-(round_robin first, then cost, ...). Prints TTFT percentiles per policy and cost / round_robin.
+``--turns`` turns long, a random pause before each: every turn sends the whole conversation (a
+system prompt of ``--system-words`` words, then the user and assistant turns so far, then a new
+user message of ``--user-words`` words) and appends the streamed reply. Each round has
+``--system-prompts`` system prompts of its own (no round finds another's in a cache), session i
+using prompt i mod that (several applications, each with its own long instructions, sharing one
+cluster), and the rounds alternate between the gateways (round_robin first, then cost, ...).
+Prints TTFT percentiles per policy and cost / round_robin.
 
     .venv/bin/python bench/prefix_routing.py --rounds 4 --json out.json
+    .venv/bin/python bench/prefix_routing.py --rounds 4 --system-prompts 4 --prefill-kv-cache-bytes 200M
 """
 
 from __future__ import annotations
@@ -79,12 +82,18 @@ async def session(stub, system: str, rng: random.Random, args, key: str) -> list
 async def one_round(address: str, round_no: int, args) -> tuple[list[list[float]], float]:
     # this round's own system prompt (warm-up rounds are numbered from 1,000)
     rng = random.Random(f"{args.seed}-{round_no}")
-    system = words(rng, args.system_words)
+    systems = [words(rng, args.system_words) for _ in range(args.system_prompts)]
     async with grpc.aio.insecure_channel(address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         began = time.perf_counter()
         runs = [
-            session(stub, system, random.Random(rng.random()), args, f"r{round_no}-s{i}")
+            session(
+                stub,
+                systems[i % len(systems)],
+                random.Random(rng.random()),
+                args,
+                f"r{round_no}-s{i}",
+            )
             for i in range(args.sessions)
         ]
         per_session = await asyncio.gather(*runs)
@@ -110,7 +119,8 @@ def main() -> None:
         ("--rounds", int, 4, "alternating, round_robin first"),
         ("--sessions", int, 8, "chat sessions at once"),
         ("--turns", int, 6, "turns per session"),
-        ("--system-words", int, 600, "the shared system prompt's words"),
+        ("--system-words", int, 600, "each system prompt's words"),
+        ("--system-prompts", int, 1, "distinct system prompts per round (session i: i mod this)"),
         ("--output-len", int, 32, "tokens per reply"),
         ("--think-s", float, 2.0, think),
     ):

@@ -10,11 +10,13 @@ gateway has sent there since (``Worker.unreported_*``) is added on top. A report
 gateway's own requests in flight, as ``least_loaded`` does.
 
     prefill worker:  seconds = queue_s + (prompt tokens - cached prefix tokens) * token_s
+                     (queue_s: the report's, aged, plus the prompt tokens less their cached
+                     prefix of what this gateway sent there since)
     decode worker:   (blocks for the request not free, sequences running and waiting, -free blocks)
 
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
-among the prompts this gateway had prefilled there in the last two heartbeat periods (maybe not
-in a filter yet).
+among the prompts this gateway has sent there in the last two heartbeat periods (maybe not in a
+filter yet, maybe still being computed: a prompt that shares it waits for it there).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def typical_token_s(pool: list[Worker], now: float, stale_s: float) -> float:
 
 def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
     """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or
-    prefilled there for this gateway lately."""
+    sent there by this gateway lately."""
     summary = r.summary if r is not None else None
     block_size = summary.block_size if summary is not None else w.recent_block_size
     if not block_size:
@@ -158,10 +160,17 @@ def request_blocks(w: Worker, num_tokens: int) -> int:
     return -(-num_tokens // block_size(w))
 
 
-def prompt_prefilled(worker: Worker, job: Job) -> None:
-    """The prompt has been prefilled on ``worker``: its blocks are cached there from now on (not
-    before: a prompt sharing its prefix that arrives while it computes computes the prefix too,
-    so it is no cheaper there)."""
+def tokens_to_compute(worker: Worker, job: Job, now: float, stale_s: float) -> int:
+    """The prompt tokens ``worker`` is expected to compute for ``job``: what is added to its queue
+    until its next report (its cached prefix is not work; the report's queue does not count it
+    either)."""
+    return len(job.prompt_ids) - cached_tokens(worker, job, fresh_report(worker, now, stale_s))
+
+
+def prompt_sent(worker: Worker, job: Job) -> None:
+    """The prompt has been sent to ``worker``: its blocks count as cached there from now on. A
+    prompt sharing its prefix that arrives while it is computed waits there for it and reuses it
+    (``pdserve/scheduler.py``), so it is cheaper there already; its wait is in the queue."""
     size = block_size(worker)
     worker.prompt_cached(job.hashes(size), size)
 

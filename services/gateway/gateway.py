@@ -381,20 +381,21 @@ class Gateway:
         worker.outstanding_tokens += cost
         worker.local_prefill_tokens += len(ids)  # until its first token
         blocks = costs.request_blocks(worker, cost)
-        sent_at = worker.sent(len(ids), blocks)
+        todo = costs.tokens_to_compute(worker, job, costs.now(), self.router.stale_s)
+        sent_at = worker.sent(todo, blocks)
         prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.track(call)
+        costs.prompt_sent(worker, job)
         try:
             async for msg in read(call, worker):
                 if prefilling:
                     worker.local_prefill_tokens -= len(ids)
                     prefilling = False
-                    costs.prompt_prefilled(worker, job)
                 yield chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
             worker.outstanding_tokens -= cost
-            worker.done(sent_at, len(ids), blocks)
+            worker.done(sent_at, todo, blocks)
             if prefilling:
                 worker.local_prefill_tokens -= len(ids)
             worker.calls.discard(call)
@@ -411,7 +412,8 @@ class Gateway:
         prefill.outstanding_tokens += len(ids)
         blocks = costs.request_blocks(decode, cost)
         decode_sent_at = decode.sent(0, blocks)
-        prefill_sent_at = prefill.sent(len(ids))
+        prefill_todo = costs.tokens_to_compute(prefill, job, costs.now(), self.router.stale_s)
+        prefill_sent_at = prefill.sent(prefill_todo)
         call = decode.stub.Generate(
             worker_pb2.DecodeRequest(
                 request_id=rid,
@@ -440,19 +442,19 @@ class Gateway:
                 metadata=md,
             )
             prefill.track(prefill_call)
+            costs.prompt_sent(prefill, job)
             queued = prefill.outstanding_tokens - len(ids)
             began = time.perf_counter()
             try:
                 resp = await prefill_call
                 prefill.progressed()
-                costs.prompt_prefilled(prefill, job)
                 placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
                 raise call_failed(prefill, e) from None
             finally:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= len(ids)
-                prefill.done(prefill_sent_at, len(ids))
+                prefill.done(prefill_sent_at, prefill_todo)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
@@ -464,6 +466,6 @@ class Gateway:
             decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= len(ids)
-                prefill.done(prefill_sent_at, len(ids))
+                prefill.done(prefill_sent_at, prefill_todo)
             call.cancel()
             await self._released()

@@ -43,7 +43,7 @@ class Worker:
     unreported_tokens: int = 0  # prompt tokens of requests sent since, still running there
     unreported_requests: int = 0
     unreported_blocks: int = 0  # KV blocks those requests take (decode workers)
-    # block hashes of the prompts prefilled there in this heartbeat period and the one before
+    # block hashes of the prompts sent there in this heartbeat period and the one before
     # (their blocks are cached there, but maybe not in its last report yet), and their block size
     recent_hashes: set = field(default_factory=set, repr=False)
     _older_hashes: set = field(default_factory=set, repr=False)
@@ -84,7 +84,7 @@ class Worker:
             self.unreported_blocks -= num_blocks
 
     def prompt_cached(self, block_hashes: list[bytes], block_size: int) -> None:
-        """A prompt of these block hashes was prefilled here (its blocks are cached)."""
+        """A prompt of these block hashes was sent here (its blocks are, or are being, cached)."""
         if block_size != self.recent_block_size:
             self.recent_hashes, self._older_hashes = set(), set()
             self.recent_block_size = block_size

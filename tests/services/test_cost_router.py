@@ -12,7 +12,14 @@ from collections import Counter
 import grpc
 import pytest
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.gateway.cost import Job, Report, prefill_estimate, rendezvous
+from pdserve.services.gateway.cost import (
+    Job,
+    Report,
+    prefill_estimate,
+    prompt_sent,
+    rendezvous,
+    tokens_to_compute,
+)
 from pdserve.services.gateway.registry import Worker
 from pdserve.services.gateway.router import Router
 from pdserve.services.stats import summary_to_proto
@@ -126,7 +133,7 @@ def test_a_report_ages_and_a_stale_one_is_not_used(channel):
     assert pick(router, [a, b], chat(1)) == "prefill-b"
 
 
-def test_a_prompt_prefilled_lately_counts_as_cached_before_any_report_says_so(channel):
+def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel):
     a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
     a.reported(report())
     b.reported(report())
@@ -138,6 +145,27 @@ def test_a_prompt_prefilled_lately_counts_as_cached_before_any_report_says_so(ch
     assert pick(router, [a, b], chat(1)) == "prefill-a"
     a.reported(report())  # ...two later, only what the report says counts
     assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
+
+
+def test_what_is_sent_since_the_report_queues_only_its_uncached_tokens(channel):
+    """Sessions of one system prompt keep landing on its holder: each one sent there adds its
+    48 tokens past the cached blocks to the holder's queue estimate, not its 640 (the holder computes only those);
+    counted as the whole prompt, two sent there made the idle cold worker look cheaper."""
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    a.reported(report(cached=SYSTEM))
+    b.reported(report())
+    router = Router("cost", stale_s=STALE_S)
+    for turn in range(1, 6):
+        job = chat(turn)
+        assert pick(router, [a, b], job) == "prefill-a", turn
+        todo = tokens_to_compute(a, job, NOW, STALE_S)
+        assert todo == 8 + 40  # the system prompt's partial last block and the user message
+        a.sent(todo)
+        prompt_sent(a, job)
+    assert prefill_estimate(a, chat(6), NOW, STALE_S)[0] == pytest.approx(5 * 48e-3 + 48e-3)
+    # a prompt of another system prompt: cold on both, the idle one computes it sooner
+    assert tokens_to_compute(b, Job(list(range(5000, 5640)), 32), NOW, STALE_S) == 640
+    assert pick(router, [a, b], Job(list(range(5000, 5640)), 32)) == "prefill-b"
 
 
 def test_the_affinity_key_keeps_its_worker_within_the_slack(channel):
