@@ -342,7 +342,6 @@ class Gateway:
         # Each try has its own id on the workers: a cancelled try may still be winding down there.
         rid = f"{req.worker_request_id}.{attempt}"
         md = telemetry.to_metadata(req.ctx)
-        ids = job.prompt_ids
         pick = self.router.pick
         prefill = pick(self.registry.alive("prefill"), exclude, job)
         decode = pick(self.registry.alive("decode"), exclude, job, decode=True) if prefill else None
@@ -357,7 +356,8 @@ class Gateway:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, job, params, timeout, md)
-        reason = placement.decide(len(ids), prefill, decode, self.config)
+        here = costs.tokens_to_compute(decode, job, costs.now(), self.router.stale_s)
+        reason = placement.decide(here, prefill, decode, self.config)
         self.metrics.placement.labels(reason).inc()
         if reason != placement.DISAGGREGATED:
             req.routed("local:decode", decode.address, "", attempt, reason)
@@ -378,10 +378,10 @@ class Gateway:
             prefill_locally=True,
         )
         cost = len(ids) + params.max_tokens
-        worker.outstanding_tokens += cost
-        worker.local_prefill_tokens += len(ids)  # until its first token
-        blocks = costs.request_blocks(worker, cost)
         todo = costs.tokens_to_compute(worker, job, costs.now(), self.router.stale_s)
+        worker.outstanding_tokens += cost
+        worker.local_prefill_tokens += todo  # until its first token
+        blocks = costs.request_blocks(worker, cost)
         sent_at = worker.sent(todo, blocks)
         prefilling = True
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
@@ -390,14 +390,14 @@ class Gateway:
         try:
             async for msg in read(call, worker):
                 if prefilling:
-                    worker.local_prefill_tokens -= len(ids)
+                    worker.local_prefill_tokens -= todo
                     prefilling = False
                 yield chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
             worker.outstanding_tokens -= cost
             worker.done(sent_at, todo, blocks)
             if prefilling:
-                worker.local_prefill_tokens -= len(ids)
+                worker.local_prefill_tokens -= todo
             worker.calls.discard(call)
             call.cancel()
             await self._released()
@@ -408,11 +408,12 @@ class Gateway:
         ids = job.prompt_ids
         sampling = sampling_to_proto(params)
         cost = len(ids) + params.max_tokens
+        # prefill work is counted in the prompt tokens to compute there (its cached prefix off)
+        prefill_todo = costs.tokens_to_compute(prefill, job, costs.now(), self.router.stale_s)
         decode.outstanding_tokens += cost
-        prefill.outstanding_tokens += len(ids)
+        prefill.outstanding_tokens += prefill_todo
         blocks = costs.request_blocks(decode, cost)
         decode_sent_at = decode.sent(0, blocks)
-        prefill_todo = costs.tokens_to_compute(prefill, job, costs.now(), self.router.stale_s)
         prefill_sent_at = prefill.sent(prefill_todo)
         call = decode.stub.Generate(
             worker_pb2.DecodeRequest(
@@ -425,6 +426,7 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
+        costs.prompt_sent(decode, job)  # it keeps the prompt's blocks (decode-side prefix reuse)
         prefill_done = False
         try:
             reader = read(call, decode)
@@ -443,17 +445,18 @@ class Gateway:
             )
             prefill.track(prefill_call)
             costs.prompt_sent(prefill, job)
-            queued = prefill.outstanding_tokens - len(ids)
+            queued = prefill.outstanding_tokens - prefill_todo
             began = time.perf_counter()
             try:
                 resp = await prefill_call
                 prefill.progressed()
-                placement.record_prefill(prefill, queued, len(ids), time.perf_counter() - began)
+                computed = len(ids) - resp.cached_prompt_tokens
+                placement.record_prefill(prefill, queued, computed, time.perf_counter() - began)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
                 raise call_failed(prefill, e) from None
             finally:
                 prefill.calls.discard(prefill_call)
-                prefill.outstanding_tokens -= len(ids)
+                prefill.outstanding_tokens -= prefill_todo
                 prefill.done(prefill_sent_at, prefill_todo)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
@@ -465,7 +468,7 @@ class Gateway:
             decode.done(decode_sent_at, 0, blocks)
             decode.calls.discard(call)
             if not prefill_done:
-                prefill.outstanding_tokens -= len(ids)
+                prefill.outstanding_tokens -= prefill_todo
                 prefill.done(prefill_sent_at, prefill_todo)
             call.cancel()
             await self._released()

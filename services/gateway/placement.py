@@ -6,15 +6,21 @@ never wait for a prompt. When the prefill workers are the bottleneck (long promp
 core), a prompt queued there waits longer than the decode worker would take to prefill it, and
 the decode worker's core idles meanwhile. So a request is prefilled on its decode worker when
 
-- its prompt is short (``local_prefill_tokens``): the hop and the transfer cost more than the
-  prefill, and a few tokens fit beside a decode step; or
+- what it would compute of the prompt is short (``local_prefill_tokens``): the hop and the
+  transfer cost more than the prefill, and a few tokens fit beside a decode step; or
 - the prefill worker's queue would hold it longer than the prefills this decode worker has taken
   on (this one included) take, and those fit in ``decode_prefill_budget_s`` — the longest the
   decode worker's streams may be held back, the TPOT budget. Under load this balances the two
   queues; when prefill keeps up, its queue is empty and every prompt goes there.
 
-Times come from one rate per prefill worker: prompt tokens per second, measured on every
-disaggregated prefill as (tokens queued ahead + its own) / its duration, an exponential average.
+Work is counted in prompt tokens to compute: a prompt less the leading blocks the worker is
+expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
+sent there lately); a prompt whose prefix the decode worker holds (decode-side prefix reuse) is
+cheap to prefill there. Times come from one rate per prefill worker: prompt tokens computed per
+second, measured on every disaggregated prefill as (tokens queued ahead + those it computed) /
+its duration, an exponential average. (Counted in whole prompts, as until 2026-11-27, the cache
+hits made the rate look several times faster than computing is, and a cold prompt looked that
+much cheaper to prefill on the decode worker.)
 A decode worker is assumed to prefill at the rate of the prefill worker it would have used (same
 model; the roles run the same engine). Until this gateway has measured a rate, the prefill
 worker's own is used (``prefill_token_s`` in its heartbeats, measured by its engine from its
@@ -36,7 +42,8 @@ DISAGGREGATED = "disaggregated"
 
 
 def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: float) -> None:
-    """A disaggregated prefill of ``tokens`` took ``seconds`` with ``queued_tokens`` ahead of it."""
+    """A disaggregated prefill that computed ``tokens`` took ``seconds`` with ``queued_tokens``
+    (to compute) ahead of it."""
     if seconds <= 0 or tokens <= 0:
         return
     rate = (queued_tokens + tokens) / seconds
@@ -45,7 +52,8 @@ def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: fl
 
 
 def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
-    """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED."""
+    """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED. ``num_tokens``:
+    the prompt tokens ``decode`` would compute."""
     if cfg.decode_prefill_budget_s <= 0:
         return DISAGGREGATED
     if num_tokens <= cfg.local_prefill_tokens:
@@ -56,7 +64,7 @@ def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig)
         if token_s is None:
             return DISAGGREGATED
         rate = 1.0 / token_s
-    wait_there = prefill.outstanding_tokens / rate  # a prefill worker's are prompt tokens only
+    wait_there = prefill.outstanding_tokens / rate  # a prefill worker's: prompt tokens to compute
     here = (decode.local_prefill_tokens + num_tokens) / rate
     if wait_there > here and here <= cfg.decode_prefill_budget_s:
         return PREFILL_BUSY

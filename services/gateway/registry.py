@@ -20,10 +20,12 @@ class Worker:
     compat_hash: str
     static: bool = False
     lease_expires: float = float("inf")
-    outstanding_tokens: int = 0  # of requests this gateway has in flight there
+    # of requests this gateway has in flight there: prompt tokens to compute (prefill workers),
+    # prompt + max_tokens (decode and colocated workers)
+    outstanding_tokens: int = 0
     failures: int = 0
-    prefill_rate: float | None = None  # prefill workers: prompt tokens/s measured (placement.py)
-    local_prefill_tokens: int = 0  # prompt tokens this worker is prefilling itself for us now
+    prefill_rate: float | None = None  # prefill workers: prompt tokens computed/s (placement.py)
+    local_prefill_tokens: int = 0  # prompt tokens it is computing itself for us now
     channel: object = field(default=None, repr=False)
     # the gateway's calls running there now; evict() cancels them (their requests resume elsewhere)
     calls: set = field(default_factory=set, repr=False)

@@ -102,3 +102,24 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_ship
         assert client.complete(short, params).token_ids == got_short.token_ids
         assert client.complete(long, params).token_ids == got_long.token_ids
     assert_no_leaks(c.live())
+
+
+def test_a_prompt_whose_prefix_its_decode_worker_holds_is_prefilled_there(cluster):
+    """What a worker would compute decides, not the prompt's length: the decode worker kept the
+    first prompt's blocks (decode-side prefix reuse), so the second, which extends it, leaves it 7
+    tokens to compute there: short, prefilled where its prefix is."""
+    c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = list(range(5, 105))  # 100 tokens (6 full blocks of 16): shipped
+    second = first + [7, 8, 9]
+    with Client(c.address, timeout=60) as client:
+        client.complete(first, params)
+        got = client.complete(second, params)
+    assert c.served("prefill-0") == 1
+    assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 1
+    assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
+    assert got.usage.cached_prompt_tokens == 96
+    off = cluster(prefill=1, decode=1)
+    with Client(off.address, timeout=60) as client:
+        assert client.complete(second, params).token_ids == got.token_ids
+    assert_no_leaks(c.live())
