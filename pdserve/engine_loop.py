@@ -259,9 +259,12 @@ class EngineLoop:
         return outputs, time.perf_counter() - started
 
     def _serve(self) -> None:
+        idle = False  # the last step found nothing to run: only a command can change that
         while True:
-            # Block for work only when the engine has none; otherwise drain commands and step.
-            block = not self.engine.has_unfinished_requests()
+            # Block for work when the engine has none, or none it can run now (a request that
+            # waits for a prefix being received: its KV lands by a command); else drain commands
+            # and step.
+            block = idle or not self.engine.has_unfinished_requests()
             self._step_tokens, self._step_predicted_s, self._layer_at = 0, 0.0, None
             if block:
                 self._busy_since = None
@@ -274,6 +277,7 @@ class EngineLoop:
                 if command is None:
                     return
                 command.fn()
+                idle = False
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
@@ -281,6 +285,9 @@ class EngineLoop:
             if not self.engine.has_unfinished_requests():
                 continue
             outputs, seconds = self._timed_step()
+            idle = self.engine.last_step is None
+            if idle:
+                continue
             self.cost.observe(self._step_tokens, seconds)
             if self._step_seconds is not None:
                 self._step_seconds(seconds)

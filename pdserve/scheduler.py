@@ -4,9 +4,10 @@ Each step: every decoding sequence gets one token, the rest of the token budget 
 chunks (running prefills first, then newly admitted requests, FCFS). A request is admitted only
 when blocks for its whole lifetime (prompt + max_tokens - 1) can be allocated, so no running
 request ever runs out of KV mid-decode and nothing is ever evicted. A request whose next
-uncached prompt block a running prefill is computing waits for it, keeping its place (those
-behind it that do not wait go ahead), rather than computing the same prefix again beside it: chat
-sessions that share a system prompt and arrive together compute it once.
+uncached prompt block a running prefill is computing (or, on a decode worker, a transfer is
+bringing) waits for it, keeping its place (those behind it that do not wait go ahead), rather
+than computing the same prefix again beside it: chat sessions that share a system prompt and
+arrive together compute it once.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def pending_hashes(seqs, block_size: int) -> set[bytes]:
-    """The hashes of the full prompt blocks that these sequences' prefills have yet to compute
-    (each is registered, and so found by ``lookup``, once computed)."""
+    """The hashes of the full prompt blocks that these sequences have yet to compute or, awaiting
+    their KV, to receive (each is registered, and so found by ``lookup``, once there)."""
     out: set[bytes] = set()
     for s in seqs:
         if s.in_prefill:
@@ -87,7 +88,7 @@ class Scheduler:
         (``seq.num_cached_tokens``) are shared, not allocated: only the rest of the prompt's KV
         has to arrive. The sequence then waits, outside the batch, for it (``activate``).
         """
-        if self.num_seats_taken >= self.config.max_num_seqs or self.waiting:
+        if self.num_seats_taken >= self.config.max_num_seqs or self._queued():
             return False
         if self.enable_prefix_caching:
             seq.block_hashes = prefix_block_hashes(seq.prompt_token_ids, self.block_size)
@@ -119,7 +120,7 @@ class Scheduler:
                 n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
                 batch.prefills.append((seq, n))
                 budget -= n
-        pending = pending_hashes(self.running, self.block_size)
+        pending = pending_hashes(self.running + self.awaiting_kv, self.block_size)
         i = 0  # the first waiting request not waiting for a prefix being computed
         while (
             i < len(self.waiting) and budget > 0 and self.num_seats_taken < self.config.max_num_seqs
@@ -145,10 +146,18 @@ class Scheduler:
         (heartbeats): works on copies taken in one C-level call each."""
         running = tuple(self.running)
         n = sum(s.num_prompt_tokens - s.num_computed_tokens for s in running if s.in_prefill)
-        pending = pending_hashes(running, self.block_size)
+        pending = pending_hashes(running + tuple(self.awaiting_kv), self.block_size)
         for seq in tuple(self.waiting):
             n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
         return n
+
+    def _queued(self) -> bool:
+        """Whether a request waits here other than for a prefix being computed or received
+        (a reservation would overtake it)."""
+        if not self.waiting:
+            return False
+        pending = pending_hashes(self.running + self.awaiting_kv, self.block_size)
+        return any(not (pending and self._cached_blocks(s, pending)[1]) for s in self.waiting)
 
     def _cached_blocks(self, seq: Sequence, pending: set[bytes]) -> tuple[int, bool]:
         """(the leading prompt blocks of ``seq`` that are cached or in ``pending``, whether any

@@ -155,3 +155,53 @@ def test_a_direct_sender_holds_only_the_blocks_it_sends(tiny_model):
     assert e.num_free_blocks == e.allocator.num_blocks - 2
     e.release_held("b")
     assert e.num_free_blocks == e.allocator.num_blocks
+
+
+def test_a_local_prefill_waiting_for_a_prefix_in_transfer_idles_the_engine_thread(tiny_model):
+    """On a decode worker, a prompt prefilled locally that shares a prefix with a request whose
+    KV is on its way waits for it: the engine thread then has nothing to run and blocks for the
+    next command (no empty steps spinning on a core), and runs it once the prefix lands, reusing
+    it — the same tokens as a decode engine that reuses nothing."""
+    import asyncio
+
+    from pdserve.engine_loop import EngineLoop
+
+    folder, _ = tiny_model("gqa_untied")
+    prefill, decode = engine(folder), engine(folder)
+    expected = serve_one_by_one(folder, [A, B], prefix_caching=False)
+
+    async def scenario() -> tuple[list[int], int]:
+        loop = EngineLoop(decode, warm_up=False)
+        loop.start(asyncio.get_running_loop())
+        try:
+            landing = await loop.call(lambda e: e.reserve_request(A, PARAMS, "shipped"))
+            stream = loop.open_stream("local")
+            await loop.call(lambda e: e.add_request(B, PARAMS, "local"))
+            steps = loop.num_steps
+            for _ in range(20):  # each command is a chance to step: nothing to run
+                await loop.call(lambda e: None)
+            assert loop.num_steps == steps
+            assert [s.request_id for s in decode.scheduler.waiting] == ["local"]
+            # the prefix lands
+            sender = CopySender(len(landing.block_ids))
+            prefill.add_prefill(A, PARAMS, "shipped", sender)
+            first = run_all(prefill)["shipped"][0]
+            ids = torch.tensor(landing.block_ids)
+            for layer, (k, v) in sender.layers.items():
+                landing.k_pools[layer].index_copy_(0, ids, k)
+                landing.v_pools[layer].index_copy_(0, ids, v)
+            await loop.call(lambda e: e.activate_request("shipped", first))
+            tokens, cached = [], 0
+            while True:
+                out = await stream.get()
+                tokens += out.new_token_ids
+                cached = max(cached, out.num_cached_tokens)
+                if out.finish_reason:
+                    return tokens, cached
+        finally:
+            loop.stop()
+
+    tokens, cached = asyncio.run(scenario())
+    assert cached == 24 and tokens == expected["1"]
+    run_all(decode)
+    assert decode.num_free_blocks == decode.allocator.num_blocks

@@ -176,3 +176,28 @@ def test_prompts_of_other_prefixes_are_admitted_together():
     for q in qs:
         s.add(q)
     assert [q for q, _ in s.schedule().prefills] == qs
+
+
+def test_a_local_prefill_waits_for_a_prefix_a_transfer_is_bringing():
+    """On a decode worker: a prompt prefilled locally whose prefix a reserved request is
+    receiving waits for that KV to land and reuses it; if the transfer fails (the reserved
+    request ends), it computes the prefix itself."""
+    for transfer_lands in (True, False):
+        s, alloc = make(num_blocks=32)
+        shipped = seq("shipped", 10, 2)
+        assert s.reserve(shipped)  # its KV is on its way: 2 full blocks
+        local = seq("local", 10, 2)
+        s.add(local)
+        assert not s.schedule() and local.status is SequenceStatus.WAITING
+        assert s.num_prompt_tokens_to_compute() == 2
+        other = seq("other", 6, 2, first=50)
+        assert s.reserve(other)  # a request waiting for a prefix holds no reservation back
+        if transfer_lands:
+            s.activate(shipped)
+            assert s.schedule().prefills == [(local, 2)] and local.num_cached_tokens == 8
+        else:
+            s.finish(shipped, "kv transfer failed")
+            assert s.schedule().prefills == [(local, 10)] and local.num_cached_tokens == 0
+        for q in (shipped, local, other):
+            s.finish(q, "abort")
+        assert alloc.num_free_blocks == 32
