@@ -134,6 +134,12 @@ def main() -> None:
         help="each prefill worker's: its prefix cache (smaller than the sessions' contexts: "
         "round robin makes each worker cache every session, cost about half of them)",
     )
+    p.add_argument(
+        "--decode-prefill-budget",
+        default=None,
+        help="the gateways' (default: theirs; 0: every prompt to a prefill worker, so only the "
+        "routing between the prefill workers differs)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -141,9 +147,10 @@ def main() -> None:
     procs, gateways = [], {}
     try:
         for policy in POLICIES:
-            gw = start_process(
-                ["gateway", "--port", "0", "--http-port", "-1", "--policy", policy], env=env
-            )
+            argv = ["gateway", "--port", "0", "--http-port", "-1", "--policy", policy]
+            if args.decode_prefill_budget is not None:
+                argv += ["--decode-prefill-budget", args.decode_prefill_budget]
+            gw = start_process(argv, env=env)
             procs.append(gw.proc)
             gateways[policy] = gw.address
         registry = ",".join(gateways.values())
