@@ -426,13 +426,13 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
-        costs.prompt_sent(decode, job)  # it keeps the prompt's blocks (decode-side prefix reuse)
         prefill_done = False
         try:
             reader = read(call, decode)
             first = await anext(reader, None)
             if first is None or not first.HasField("admitted"):
                 raise WorkerFailed(decode, "decode worker did not admit the request")
+            costs.prompt_sent(decode, job)  # it keeps the prompt's blocks (decode-side reuse)
             prefill_call = prefill.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=rid,
