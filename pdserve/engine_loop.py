@@ -190,7 +190,11 @@ class EngineLoop:
         return EngineDeadError(f"the engine thread has ended{why}")
 
     def open_stream(self, request_id: str) -> OutputQueue:
-        """Outputs of ``request_id`` will be put here (call on the event loop, before adding it)."""
+        """Outputs of ``request_id`` will be put here (call on the event loop, before adding it).
+        ValueError when a stream of that id is open: the request it belongs to keeps it (a second
+        one took its outputs, and ended it with its own error, before)."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use on this worker")
         q = OutputQueue()
         if self._dead:
             q.put_nowait(self._dead_error())

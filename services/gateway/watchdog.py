@@ -10,7 +10,7 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
   while the worker's process and event loop run, whatever its engine is doing. When it fails,
   a real probe given ``real_probe_timeout_s`` confirms, then the worker is evicted.
 - **Real probe** (decode and colocated workers): ``Decode.Generate`` with ``prefill_locally``,
-  a 2-token prompt, max_tokens=1, request id ``probe-<n>`` (workers do not count, log or trace
+  a 2-token prompt, max_tokens=1, request id ``probe-<gateway tag>-<n>`` (workers do not count, log or trace
   those), every ``real_probe_interval_s``, ``engine_timeout_s``. It joins the engine's
   continuous batch like any request: it answers after a step or two on a busy worker, never on
   one whose engine is stuck. A CPU step with a 1,024-token prefill chunk can take seconds, hence
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 
 import grpc
@@ -65,7 +66,9 @@ class Watchdog:
         self.config = config
         self.metrics = metrics
         self.log = telemetry.logger()
-        self._ids = itertools.count()
+        # probe ids unique across gateways: two gateways probing one worker at once with the same
+        # id made the worker answer one of them only (the other timed out: a false eviction)
+        self._ids = (f"{PROBE_PREFIX}{secrets.token_hex(4)}-{n}" for n in itertools.count())
         # (worker, "fast" | "real") -> the probe running; at most one of each kind per worker
         self._probing: dict[tuple[Worker, str], asyncio.Task[None]] = {}
         self._due: dict[tuple[Worker, str], float] = {}  # when the next one is due
@@ -250,7 +253,7 @@ class Watchdog:
 
     async def _real(self, w: Worker, timeout: float) -> str:
         req = worker_pb2.DecodeRequest(
-            request_id=f"{PROBE_PREFIX}{next(self._ids)}",
+            request_id=next(self._ids),
             prompt_token_ids=PROBE_PROMPT,
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
             prefill_locally=True,

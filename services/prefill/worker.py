@@ -114,15 +114,19 @@ class PrefillWorker:
         self.engine.validate(prompt_ids, params)
         ctx = telemetry.context_of(span)
         peer = await asyncio.to_thread(self._peer, dest.kv_address)
-        tx = self.transport.start_send(
-            peer,
-            dest.transfer_id,
-            len(dest.block_ids),
-            dest.timeout_s,
-            traceparent=telemetry.traceparent(ctx),
-            dst_block_ids=dest.block_ids,
-        )
-        q = self.loop.open_stream(request_id)
+        q = self.loop.open_stream(request_id)  # refuses an id in flight, before any send starts
+        try:
+            tx = self.transport.start_send(
+                peer,
+                dest.transfer_id,
+                len(dest.block_ids),
+                dest.timeout_s,
+                traceparent=telemetry.traceparent(ctx),
+                dst_block_ids=dest.block_ids,
+            )
+        except BaseException:
+            self.loop.close_stream(request_id)
+            raise
         done = False
         try:
             send = await self.loop.call(
