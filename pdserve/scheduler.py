@@ -120,13 +120,13 @@ class Scheduler:
                 n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
                 batch.prefills.append((seq, n))
                 budget -= n
-        pending = pending_hashes(self.running + self.awaiting_kv, self.block_size)
+        pending = self._pending()
         i = 0  # the first waiting request not waiting for a prefix being computed
         while (
             i < len(self.waiting) and budget > 0 and self.num_seats_taken < self.config.max_num_seqs
         ):
             seq = self.waiting[i]
-            if pending and self._cached_blocks(seq, pending)[1]:
+            if self._waits(seq, pending):
                 i += 1  # it keeps its place and reuses the prefix once computed
                 continue
             if not self._allocate(seq):
@@ -146,7 +146,7 @@ class Scheduler:
         (heartbeats): works on copies taken in one C-level call each."""
         running = tuple(self.running)
         n = sum(s.num_prompt_tokens - s.num_computed_tokens for s in running if s.in_prefill)
-        pending = pending_hashes(running + tuple(self.awaiting_kv), self.block_size)
+        pending = self._pending()
         for seq in tuple(self.waiting):
             n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
         return n
@@ -156,8 +156,17 @@ class Scheduler:
         (a reservation would overtake it)."""
         if not self.waiting:
             return False
-        pending = pending_hashes(self.running + self.awaiting_kv, self.block_size)
-        return any(not (pending and self._cached_blocks(s, pending)[1]) for s in self.waiting)
+        pending = self._pending()
+        return any(not self._waits(s, pending) for s in self.waiting)
+
+    def _pending(self) -> set[bytes]:
+        """``pending_hashes`` of the running prefills and the requests awaiting their KV (from
+        copies taken in one C-level call each: heartbeats read it from another thread)."""
+        return pending_hashes(tuple(self.running) + tuple(self.awaiting_kv), self.block_size)
+
+    def _waits(self, seq: Sequence, pending: set[bytes]) -> bool:
+        """Whether ``seq`` waits for a prefix being computed or received (in ``pending``)."""
+        return bool(pending) and self._cached_blocks(seq, pending)[1]
 
     def _cached_blocks(self, seq: Sequence, pending: set[bytes]) -> tuple[int, bool]:
         """(the leading prompt blocks of ``seq`` that are cached or in ``pending``, whether any
