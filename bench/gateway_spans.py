@@ -9,6 +9,9 @@ from the moment it arrived to its last token, and the client measured the whole.
 - ``path``  = client latency − the worker's time: the network hops and whatever sits in between
   (for direct: client ↔ worker; through the gateway: client ↔ gateway ↔ worker and the gateway);
 - ``path_ttft`` = client TTFT − the worker's own TTFT (from its first span's start);
+- ``last_hop`` = when the client got the last token − when the worker sent it (its
+  ``decode.generate`` span ends just before): that token's way from worker to client, whatever
+  the request's stream does after it (a status, a closing chunk) left out;
 - ``inside`` (gateway modes) = the ``gateway.generate`` span − the worker's time: what the
   gateway process spends on the request between taking it and answering its last chunk (biased
   low by the worker's span ending after its last message left);
@@ -32,6 +35,7 @@ from pdserve.bench_serve import percentiles
 from pdserve.otlp_sink import Span
 
 WORKER_SPANS = ("decode.admit", "decode.generate")
+METRICS = ("path", "path_ttft", "last_hop", "inside", "added_first", "added_last")
 
 
 @dataclass
@@ -43,18 +47,20 @@ class Sent:
     start_ns: int
     latency_s: float
     ttft_s: float
+    last_s: float  # from its start to its last token
 
 
-def _worker_time(spans: list[Span]) -> tuple[float, float] | None:
+def _worker_time(spans: list[Span]) -> tuple[float, float, int] | None:
     """(seconds from the worker's first span's start to its last span's end, the worker's TTFT
-    from that same start); None if its spans are not all there."""
+    from that same start, when its ``decode.generate`` span ended: just before it sent its last
+    token); None if its spans are not all there."""
     gen = [s for s in spans if s["name"] == "decode.generate"]
     if not gen or "first_token_s" not in gen[0]["attributes"]:
         return None
     start = min(s["start_ns"] for s in spans)
     end = max(s["end_ns"] for s in spans)
     first = gen[0]["start_ns"] + gen[0]["attributes"]["first_token_s"] * 1e9
-    return (end - start) / 1e9, (first - start) / 1e9
+    return (end - start) / 1e9, (first - start) / 1e9, gen[-1]["end_ns"]
 
 
 def complete(sent: Iterable[Sent], spans: list[Span]) -> bool:
@@ -84,8 +90,12 @@ def per_request(sent: Iterable[Sent], spans: list[Span]) -> dict[str, dict | Non
         if worker is None or (r.mode != "direct" and root is None):
             out[r.request_id] = None
             continue
-        busy, ttft = worker
-        row = {"path": r.latency_s - busy, "path_ttft": r.ttft_s - ttft}
+        busy, ttft, sent_last_ns = worker
+        row = {
+            "path": r.latency_s - busy,
+            "path_ttft": r.ttft_s - ttft,
+            "last_hop": (r.start_ns - sent_last_ns) / 1e9 + r.last_s,
+        }
         if root is not None:
             row["inside"] = (root["end_ns"] - root["start_ns"]) / 1e9 - busy
             attrs = root["attributes"]
@@ -105,7 +115,7 @@ def summarize(sent: list[Sent], spans: list[Span], modes: Iterable[str]) -> dict
         mine = [rows[r.request_id] for r in sent if r.mode == mode and rows.get(r.request_id)]
         out[mode] = {
             metric: {q: v * 1e3 for q, v in percentiles([m[metric] for m in mine]).items()}
-            for metric in ("path", "path_ttft", "inside", "added_first", "added_last")
+            for metric in METRICS
             if mine and metric in mine[0]
         }
         out[mode]["requests"] = len(mine)
@@ -114,6 +124,6 @@ def summarize(sent: list[Sent], spans: list[Span], modes: Iterable[str]) -> dict
         if mode != "direct" and base and base["requests"] and s["requests"]:
             s["added"] = {
                 metric: {q: s[metric][q] - base[metric][q] for q in ("p50", "p99")}
-                for metric in ("path", "path_ttft")
+                for metric in ("path", "path_ttft", "last_hop")
             }
     return out

@@ -125,7 +125,9 @@ class GatewayRequest:
 
     def forwarded(self, received_at: float) -> None:
         """A delta whose worker message arrived at ``received_at`` (``time.perf_counter``) has
-        been handed to the client's connection (its write is done or buffered)."""
+        been handed to the client's connection: written or buffered (HTTP), or yielded to
+        grpc.aio, which starts its send at once (the client has it ~0.5 ms later; the write's
+        completion reaches this loop several ms after that, bench/grpc_send_timing.py)."""
         spent = time.perf_counter() - received_at
         if self.forward_s:
             self.forward_s[1:] = [spent]
