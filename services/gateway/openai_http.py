@@ -123,25 +123,29 @@ class _TooLarge(Exception):
 
 
 async def _unless_disconnected(request: Request, aw):
-    """``await aw``, unless the client disconnects first: then it is cancelled (_ClientGone)."""
-    task = asyncio.ensure_future(aw)
+    """``await aw``, unless the client disconnects first: then it is cancelled (_ClientGone).
+    Awaited in this task, not a task of its own: the answer goes on from here without another
+    pass of the event loop (behind every other ready callback) when ``aw`` is done."""
+    me = asyncio.current_task()
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        me.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await aw
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        me.uncancel()
+        raise _ClientGone() from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
 
 
 class OpenAIApp:
@@ -227,6 +231,7 @@ class OpenAIApp:
             # the first delta (or the error) decides the status; the client may leave meanwhile
             first = await _unless_disconnected(request, anext(events))
         except _ClientGone:
+            await events.aclose()  # ended already, unless it had just yielded its first delta
             return Response(status_code=499)
         except Exception as e:
             return error_response(e)

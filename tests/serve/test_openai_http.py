@@ -395,6 +395,30 @@ def test_client_disconnect_mid_stream_cancels_the_request(http_cluster):
     assert_no_leaks(c.live())
 
 
+def test_a_client_gone_before_its_answer_cancels_the_request(http_cluster):
+    """A non-streaming request whose client leaves while the gateway collects its tokens:
+    cancelled there (not generated to the end for nobody), nothing leaked, and the gateway
+    serves the next request."""
+    c = http_cluster
+    body = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True}
+    url = f"http://{c.http_address}/v1/completions"
+    cancelled = c.gateway_metric("pdserve_requests_total", outcome="cancelled")
+    ok = c.gateway_metric("pdserve_requests_total", outcome="ok")
+    with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post(url, json=body)
+    wait_until(
+        lambda: c.gateway_metric("pdserve_requests_total", outcome="cancelled") == cancelled + 1,
+        10,
+        "the gateway to cancel the request",
+    )
+    assert c.gateway_metric("pdserve_requests_total", outcome="ok") == ok
+    assert_no_leaks(c.live())
+    with httpx.Client(timeout=30) as h:
+        r = h.post(url, json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
 def test_no_worker_is_503_and_a_full_cluster_is_429_with_retry_after(tiny_model_dir):
     c = start_cluster(tiny_model_dir, prefill=0, decode=0, http=True)
     try:
