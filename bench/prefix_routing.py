@@ -1,4 +1,5 @@
-"""Repeated-prefix chat: routing policy ``round_robin`` against ``cost``, side by side in one run.
+"""Repeated-prefix chat: routing policy ``cost`` against ``--against`` (``round_robin``), side by
+side in one run.
 
 One set of real processes: 2 prefill workers (one core each) and 1 decode worker, registered with
 two gateways, one per policy. Each round runs ``--sessions`` chat sessions at once, each
@@ -7,8 +8,8 @@ system prompt of ``--system-words`` words, then the user and assistant turns so 
 user message of ``--user-words`` words) and appends the streamed reply. Each round has
 ``--system-prompts`` system prompts of its own (no round finds another's in a cache), session i
 using prompt i mod that (several applications, each with its own long instructions, sharing one
-cluster), and the rounds alternate between the gateways (round_robin first, then cost, ...).
-Prints TTFT percentiles per policy and cost / round_robin.
+cluster), and the rounds alternate between the gateways (the other policy first, then cost,
+...). Prints TTFT percentiles per policy and cost / the other.
 
     .venv/bin/python bench/prefix_routing.py --rounds 4 --json out.json
     .venv/bin/python bench/prefix_routing.py --rounds 4 --system-prompts 4 --prefill-kv-cache-bytes 200M
@@ -38,7 +39,6 @@ from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
 
-POLICIES = ("round_robin", "cost")
 WORKERS = [
     ["prefill", "--threads", "1", "--cpus", "0"],
     ["prefill", "--threads", "1", "--cpus", "1"],
@@ -116,7 +116,7 @@ def main() -> None:
         "the session count is even)"
     )
     for flag, kind, default, what in (
-        ("--rounds", int, 4, "alternating, round_robin first"),
+        ("--rounds", int, 4, "alternating, the other policy first"),
         ("--sessions", int, 8, "chat sessions at once"),
         ("--turns", int, 6, "turns per session"),
         ("--system-words", int, 600, "each system prompt's words"),
@@ -140,13 +140,15 @@ def main() -> None:
         help="the gateways' (default: theirs; 0: every prompt to a prefill worker, so only the "
         "routing between the prefill workers differs)",
     )
+    p.add_argument("--against", default="round_robin", help="the policy cost is compared with")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    policies = (args.against, "cost")
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
     procs, gateways = [], {}
     try:
-        for policy in POLICIES:
+        for policy in policies:
             argv = ["gateway", "--port", "0", "--http-port", "-1", "--policy", policy]
             if args.decode_prefill_budget is not None:
                 argv += ["--decode-prefill-budget", args.decode_prefill_budget]
@@ -159,15 +161,15 @@ def main() -> None:
             extra = ["--kv-cache-bytes", kv, "--gateway", registry]
             procs.append(start_process([*argv, *extra], env=env).proc)
         # warm-up (a round of its own, on both gateways): compiled paths, measured speeds
-        for policy in POLICIES:
-            asyncio.run(one_round(gateways[policy], 1000 + POLICIES.index(policy), args))
-        ttfts: dict[str, list[float]] = {p: [] for p in POLICIES}
+        for policy in policies:
+            asyncio.run(one_round(gateways[policy], 1000 + policies.index(policy), args))
+        ttfts: dict[str, list[float]] = {p: [] for p in policies}
         by_turn: dict[str, list[list[float]]] = {
-            p: [[] for _ in range(args.turns)] for p in POLICIES
+            p: [[] for _ in range(args.turns)] for p in policies
         }
-        walls: dict[str, list[float]] = {p: [] for p in POLICIES}
+        walls: dict[str, list[float]] = {p: [] for p in policies}
         for r in range(args.rounds):
-            policy = POLICIES[r % 2]
+            policy = policies[r % 2]
             sessions, wall = asyncio.run(one_round(gateways[policy], r, args))
             t = [x for s in sessions for x in s]
             ttfts[policy] += t
@@ -185,13 +187,13 @@ def main() -> None:
     summary = {
         "cpu": cpu_model(),
         "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "ttft_s": {p: percentiles(ttfts[p]) for p in POLICIES},
+        "ttft_s": {p: percentiles(ttfts[p]) for p in policies},
         "round_wall_s": walls,
-        "ttft_p50_s_by_turn": {p: [statistics.median(t) for t in by_turn[p]] for p in POLICIES},
+        "ttft_p50_s_by_turn": {p: [statistics.median(t) for t in by_turn[p]] for p in policies},
     }
-    rr, cost = summary["ttft_s"]["round_robin"], summary["ttft_s"]["cost"]
-    summary["cost_over_round_robin"] = {q: cost[q] / rr[q] for q in ("p50", "p99", "mean")}
-    for policy in POLICIES:
+    other, cost = summary["ttft_s"][args.against], summary["ttft_s"]["cost"]
+    summary[f"cost_over_{args.against}"] = {q: cost[q] / other[q] for q in ("p50", "p99", "mean")}
+    for policy in policies:
         s = summary["ttft_s"][policy]
         print(
             f"{policy:12s} TTFT p50 {s['p50'] * 1000:7.1f} ms  p99 {s['p99'] * 1000:7.1f} ms  "
@@ -199,8 +201,8 @@ def main() -> None:
         )
         turns = " ".join(f"{x * 1000:.0f}" for x in summary["ttft_p50_s_by_turn"][policy])
         print(f"{'':12s} p50 by turn (ms): {turns}")
-    ratio = summary["cost_over_round_robin"]
-    print(f"cost / round_robin: p50 {ratio['p50']:.2f}, p99 {ratio['p99']:.2f}")
+    ratio = summary[f"cost_over_{args.against}"]
+    print(f"cost / {args.against}: p50 {ratio['p50']:.2f}, p99 {ratio['p99']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
