@@ -10,11 +10,11 @@ progressing, so that its requests resume elsewhere (``gateway._route``'s mid-str
   while the worker's process and event loop run, whatever its engine is doing. When it fails,
   a real probe given ``real_probe_timeout_s`` confirms, then the worker is evicted.
 - **Real probe** (decode and colocated workers): ``Decode.Generate`` with ``prefill_locally``,
-  a 2-token prompt, max_tokens=1, request id ``probe-<gateway tag>-<n>`` (workers do not count, log or trace
-  those), every ``real_probe_interval_s``, ``engine_timeout_s``. It joins the engine's
-  continuous batch like any request: it answers after a step or two on a busy worker, never on
-  one whose engine is stuck. A CPU step with a 1,024-token prefill chunk can take seconds, hence
-  the long deadline of this probe on a worker that answers Stats.
+  a 2-token prompt, max_tokens=1, request id ``probe-<gateway tag>-<n>`` (workers do not
+  count, log or trace those), every ``real_probe_interval_s``, ``engine_timeout_s``. It joins
+  the engine's continuous batch like any request: it answers after a step or two on a busy
+  worker, never on one whose engine is stuck. A CPU step with a 1,024-token prefill chunk can
+  take seconds, hence the long deadline of this probe on a worker that answers Stats.
 - **Engine progress** (every role): the Stats answer says how long the worker's engine has
   been in its current step and how long that step should take, predicted from the worker's
   own recent steps (pdserve/step_cost.py). A step past max(``stuck_step_floor_s``,
