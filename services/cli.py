@@ -206,7 +206,8 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         "--kv-timeout",
         type=float,
         default=GatewayConfig.kv_timeout_s,
-        help="seconds a KV transfer may take",
+        help="seconds a KV transfer may take beyond twice the wait expected at its prefill "
+        "worker (queue and compute); a decode worker holds the blocks that long",
     )
     gw.add_argument(
         "--max-attempts",

@@ -409,7 +409,9 @@ class Gateway:
         sampling = sampling_to_proto(params)
         cost = len(ids) + params.max_tokens
         # prefill work is counted in the prompt tokens to compute there (its cached prefix off)
-        prefill_todo = costs.tokens_to_compute(prefill, job, costs.now(), self.router.stale_s)
+        now, stale_s = costs.now(), self.router.stale_s
+        prefill_todo = costs.tokens_to_compute(prefill, job, now, stale_s)
+        hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
         blocks = costs.request_blocks(decode, cost)
@@ -420,7 +422,7 @@ class Gateway:
                 request_id=rid,
                 prompt_token_ids=ids,
                 sampling=sampling,
-                kv_timeout_ms=int(self.config.kv_timeout_s * 1000),
+                kv_timeout_ms=int(hold_s * 1000),
             ),
             timeout=timeout,
             metadata=md,
@@ -440,7 +442,7 @@ class Gateway:
                     sampling=sampling,
                     destination=first.admitted.destination,
                 ),
-                timeout=timeout or self.config.kv_timeout_s,
+                timeout=timeout or hold_s,
                 metadata=md,
             )
             prefill.track(prefill_call)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -124,3 +125,23 @@ def test_mismatched_kv_layout_is_refused_at_registration(fresh):
     assert proc.returncode == 2
     assert "gateway refused registration" in proc.stderr and "has KV layout" in proc.stderr
     assert "same model, dtype and block size" in proc.stderr
+
+
+def test_prompts_queued_longer_than_the_kv_timeout_are_prefilled_once(fresh):
+    """A decode worker holds a prompt's blocks for --kv-timeout beyond the wait expected at the
+    prefill worker: three long prompts at once to one single-threaded prefill worker, the last
+    waiting there seconds for the others, are all answered on their first attempt (with a hold
+    of --kv-timeout alone the later ones timed out waiting and, --max-attempts 1, failed)."""
+    c = fresh("--kv-timeout", "0.5", "--max-attempts", "1")
+    c.start_worker("prefill", "prefill")
+    c.start_worker("decode", "decode")
+    body = " ".join(["river stone light music engine garden"] * 70)  # ~430 tokens
+    prompts = [f"{word} {body}" for word in ("alpha", "bravo", "charlie")]  # no shared prefix
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with Client(c.gateway, timeout=120) as client, ThreadPoolExecutor(3) as pool:
+        started = time.monotonic()
+        outs = list(pool.map(lambda p: client.complete(p, params), prompts))
+        took = time.monotonic() - started
+    assert [len(o.token_ids) for o in outs] == [2, 2, 2]
+    assert took > 1, f"the prompts took {took:.1f} s in all: none waited past the timeout"
+    assert_no_leaks(c.live())

@@ -13,8 +13,10 @@ import grpc
 import pytest
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.cost import (
+    MAX_KV_HOLD_S,
     Job,
     Report,
+    kv_hold_s,
     prefill_estimate,
     prompt_sent,
     rendezvous,
@@ -131,6 +133,19 @@ def test_a_report_ages_and_a_stale_one_is_not_used(channel):
     a.outstanding_tokens = 2000
     assert prefill_estimate(a, chat(1), NOW, STALE_S) == pytest.approx((2.0 + 0.64, 0))
     assert pick(router, [a, b], chat(1)) == "prefill-b"
+
+
+def test_the_kv_hold_covers_twice_the_wait_expected_at_the_prefill_worker(channel):
+    """The decode worker's hold on a prompt's blocks (``kv_timeout_ms``): the timeout beyond
+    twice the prefill worker's queue and compute, so a prompt queued longer than the timeout
+    alone is not timed out there; bounded."""
+    a = worker(channel, "prefill-a")
+    a.reported(report(queue_s=40.0, cached=SYSTEM))  # 40 s queued; the system prompt cached
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * (40 + 0.048))
+    a.reported(report())  # idle
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 0.64)
+    a.reported(report(queue_s=1e6))
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == MAX_KV_HOLD_S
 
 
 def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel):
