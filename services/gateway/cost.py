@@ -145,9 +145,14 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     ``prefill`` is expected to take to reach and compute the prompt (its queue included). A hold
     of ``kv_timeout_s`` alone timed out every prompt that queued longer than that at a busy
     prefill worker, which the gateway then started again from the back of the queue (W-mixed on
-    one Zen 3 prefill core: 13 of 62 disaggregated prompts, some after 18 of 30 layers)."""
+    one Zen 3 prefill core: 13 of 62 disaggregated prompts, some after 18 of 30 layers). The wait
+    is the larger of the router's estimate and everything this gateway has in flight there
+    computed whole: in a burst, a report can come before the prompts sent just ahead of it were
+    queued there, and leave them out of both its queue and what was sent since."""
     wait, _ = prefill_estimate(prefill, job, now, stale_s)
-    return min(kv_timeout_s + KV_HOLD_MARGIN * wait, MAX_KV_HOLD_S)
+    token_s = measured_token_s(prefill, prefill.report) or DEFAULT_TOKEN_S  # a stale report's too
+    mine = (prefill.outstanding_tokens + len(job.prompt_ids)) * token_s
+    return min(kv_timeout_s + KV_HOLD_MARGIN * max(wait, mine), MAX_KV_HOLD_S)
 
 
 def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, int]:

@@ -144,6 +144,9 @@ def test_the_kv_hold_covers_twice_the_wait_expected_at_the_prefill_worker(channe
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * (40 + 0.048))
     a.reported(report())  # idle
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 0.64)
+    # prompts this gateway sent there that the report missed: counted whole
+    a.outstanding_tokens = 5000
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 5.64)
     a.reported(report(queue_s=1e6))
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == MAX_KV_HOLD_S
 
