@@ -34,6 +34,7 @@ from pdserve.v1 import worker_pb2
 DEFAULT_TOKEN_S = 1e-3  # a worker that has not measured its prefill yet (nor been measured)
 DEFAULT_BLOCK_SIZE = 16  # what a request's blocks are counted in before any report says
 KV_HOLD_MARGIN = 2.0  # times the wait expected at the prefill worker that a KV hold allows
+KV_HOLD_TOKEN_S = 0.02  # a KV hold's seconds per prompt token while the worker has measured none
 MAX_KV_HOLD_S = 3600.0
 
 
@@ -148,9 +149,11 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     one Zen 3 prefill core: 13 of 62 disaggregated prompts, some after 18 of 30 layers). The wait
     is the larger of the router's estimate and everything this gateway has in flight there
     computed whole: in a burst, a report can come before the prompts sent just ahead of it were
-    queued there, and leave them out of both its queue and what was sent since."""
+    queued there, and leave them out of both its queue and what was sent since. Until the worker
+    has a measured rate (before its first heartbeat) the latter assumes a slow one: a hold too
+    long costs nothing unless the KV never comes, one too short throws a prefill away."""
     wait, _ = prefill_estimate(prefill, job, now, stale_s)
-    token_s = measured_token_s(prefill, prefill.report) or DEFAULT_TOKEN_S  # a stale report's too
+    token_s = measured_token_s(prefill, prefill.report) or KV_HOLD_TOKEN_S  # a stale report's too
     mine = (prefill.outstanding_tokens + len(job.prompt_ids)) * token_s
     return min(kv_timeout_s + KV_HOLD_MARGIN * max(wait, mine), MAX_KV_HOLD_S)
 

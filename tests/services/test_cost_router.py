@@ -140,6 +140,8 @@ def test_the_kv_hold_covers_twice_the_wait_expected_at_the_prefill_worker(channe
     twice the prefill worker's queue and compute, so a prompt queued longer than the timeout
     alone is not timed out there; bounded."""
     a = worker(channel, "prefill-a")
+    # no report yet: the prompt at KV_HOLD_TOKEN_S a token, not the router's optimistic default
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 640 * 0.02)
     a.reported(report(queue_s=40.0, cached=SYSTEM))  # 40 s queued; the system prompt cached
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * (40 + 0.048))
     a.reported(report())  # idle
