@@ -35,7 +35,7 @@ DEFAULT_TOKEN_S = 1e-3  # a worker that has not measured its prefill yet (nor be
 DEFAULT_BLOCK_SIZE = 16  # what a request's blocks are counted in before any report says
 KV_HOLD_MARGIN = 2.0  # times the wait expected at the prefill worker that a KV hold allows
 KV_HOLD_TOKEN_S = 0.02  # a KV hold's seconds per prompt token while the worker has measured none
-MAX_KV_HOLD_S = 3600.0
+MAX_KV_HOLD_S = 3600.0  # unless --kv-timeout itself is longer
 
 
 def summary_from_proto(m: worker_pb2.PrefixSummary) -> PrefixSummary | None:
@@ -155,7 +155,7 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     wait, _ = prefill_estimate(prefill, job, now, stale_s)
     token_s = measured_token_s(prefill, prefill.report) or KV_HOLD_TOKEN_S  # a stale report's too
     mine = (prefill.outstanding_tokens + len(job.prompt_ids)) * token_s
-    return min(kv_timeout_s + KV_HOLD_MARGIN * max(wait, mine), MAX_KV_HOLD_S)
+    return min(kv_timeout_s + KV_HOLD_MARGIN * max(wait, mine), max(MAX_KV_HOLD_S, kv_timeout_s))
 
 
 def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, int]:

@@ -151,6 +151,7 @@ def test_the_kv_hold_covers_twice_the_wait_expected_at_the_prefill_worker(channe
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 5.64)
     a.reported(report(queue_s=1e6))
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == MAX_KV_HOLD_S
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 7200.0) == 7200.0  # never below the timeout
 
 
 def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel):
