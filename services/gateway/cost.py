@@ -11,7 +11,8 @@ gateway's own requests in flight, as ``least_loaded`` does.
 
     prefill worker:  seconds = queue_s + (prompt tokens - cached prefix tokens) * token_s
                      (queue_s: the report's, aged, plus the prompt tokens less their cached
-                     prefix of what this gateway sent there since)
+                     prefix of what this gateway sent there since; at least this gateway's
+                     own prompt tokens to compute in flight there)
     decode worker:   (blocks for the request not free, sequences running and waiting, -free blocks)
 
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
@@ -131,11 +132,13 @@ def prefill_estimate(
     has measured none (``typical_token_s``)."""
     r = fresh_report(w, now, stale_s)
     token_s = measured_token_s(w, r) or default_token_s
+    mine = w.outstanding_tokens if w.role == "prefill" else w.local_prefill_tokens
+    queue = mine * token_s
     if r is not None:
-        queue = max(0.0, r.queue_s - (now - r.at)) + w.unreported_tokens * token_s
-    else:
-        mine = w.outstanding_tokens if w.role == "prefill" else w.local_prefill_tokens
-        queue = mine * token_s
+        # what this gateway has in flight there is a floor: a report generated before prompts
+        # sent just ahead of it reached the worker counts them neither in its queue nor as sent
+        # since (W-mixed, 2 prefill workers: the cost policy sent short prompts behind those)
+        queue = max(queue, max(0.0, r.queue_s - (now - r.at)) + w.unreported_tokens * token_s)
     cached = cached_tokens(w, job, r)
     return queue + (len(job.prompt_ids) - cached) * token_s, cached
 

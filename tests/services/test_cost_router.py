@@ -119,6 +119,27 @@ def test_requests_sent_since_the_last_report_count_on_top_of_it(channel):
     assert a.unreported_tokens == 0 and a.unreported_requests == 0
 
 
+def test_prompts_a_report_missed_still_count_as_this_gateways_in_flight(channel):
+    """A report generated before the prompts this gateway sent just ahead of it reached the
+    worker counts them nowhere (sent before the report arrived: not "sent since"); this gateway's
+    own work in flight there is the floor of the queue, as least_loaded would count it."""
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    router = Router("cost", stale_s=STALE_S)
+    sent_at = a.sent(2000)
+    a.outstanding_tokens += 2000
+    a.reported(report())  # says idle: the 2,000 tokens had not reached its queue yet
+    b.reported(report(queue_s=0.5))
+    assert prefill_estimate(a, chat(1), NOW, STALE_S)[0] == pytest.approx(2.0 + 0.64)
+    assert pick(router, [a, b], chat(1)) == "prefill-b"
+    a.done(sent_at, 2000)
+    a.outstanding_tokens -= 2000
+    assert pick(router, [a, b], chat(1)) == "prefill-a"
+    # a report that knows more than this gateway (other gateways' prompts) is believed
+    a.reported(report(queue_s=3.0))
+    a.outstanding_tokens = 1000
+    assert prefill_estimate(a, chat(1), NOW, STALE_S)[0] == pytest.approx(3.0 + 0.64)
+
+
 def test_a_report_ages_and_a_stale_one_is_not_used(channel):
     a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
     router = Router("cost", stale_s=STALE_S)
@@ -249,7 +270,7 @@ def test_without_a_request_cost_picks_as_least_loaded(channel):
 
 def test_bad_settings_say_what_is_allowed():
     with pytest.raises(
-        ValueError, match="routing policy must be one of round_robin, least_loaded, cost"
+        ValueError, match="routing policy must be one of cost, least_loaded, round_robin"
     ):
         Router("fastest")
     with pytest.raises(ValueError, match="affinity_slack_s must be >= 0 seconds, got -1"):
