@@ -20,23 +20,46 @@ DISAGGREGATED = [
 ]
 
 
+TWO_PREFILL = [  # routing between prefill workers: one core each, the decode worker beside them
+    ["prefill", "--threads", "1", "--cpus", "0"],
+    ["prefill", "--threads", "1", "--cpus", "1"],
+    ["decode", "--threads", "1"],
+]
+
+
 @contextlib.contextmanager
 def cluster(
     workers: list[list[str]],
     env: dict[str, str] | None = None,
     gateway_args: list[str] | None = None,
 ):
-    """A gateway (with ``gateway_args`` too) and ``workers`` (argv each) as real processes;
-    yields (gateway address, the processes) and stops them all on exit."""
+    """A gateway (with ``gateway_args`` too) and ``workers`` (argv each, COMMON added) as real
+    processes; yields (gateway address, the processes) and stops them all on exit."""
+    workers = [[*argv, *COMMON] for argv in workers]
+    with gateways_and_workers({"": gateway_args or []}, workers, env) as (gateways, procs):
+        yield gateways[""], procs
+
+
+@contextlib.contextmanager
+def gateways_and_workers(
+    gateway_args: dict[str, list[str]],
+    workers: list[list[str]],
+    env: dict[str, str] | None = None,
+):
+    """A gateway per entry of ``gateway_args`` (a name: its own options) and one set of
+    ``workers`` (argv each) registered with every one of them, as real processes; yields
+    ({name: gateway address}, the processes) and stops them all on exit."""
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32), **(env or {})}
-    procs = []
+    procs, gateways = [], {}
     try:
-        argv = ["gateway", "--port", "0", "--http-port", "-1", *(gateway_args or [])]
-        gw = start_process(argv, env=env)
-        procs.append(gw.proc)
+        for name, extra in gateway_args.items():
+            gw = start_process(["gateway", "--port", "0", "--http-port", "-1", *extra], env=env)
+            procs.append(gw.proc)
+            gateways[name] = gw.address
+        registry = ",".join(gateways.values())
         for argv in workers:
-            procs.append(start_process([*argv, *COMMON, "--gateway", gw.address], env=env).proc)
-        yield gw.address, procs
+            procs.append(start_process([*argv, "--gateway", registry], env=env).proc)
+        yield gateways, procs
     finally:
         stop_processes(procs)
 

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import secrets
 import statistics
 import sys
 import time
@@ -31,19 +30,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
-from pdserve.services.launcher import start_process, stop_processes  # noqa: E402
 
-from bench.common import ENV  # noqa: E402
+from bench.common import TWO_PREFILL, gateways_and_workers  # noqa: E402
 from pdserve.bench_serve import WORDS, percentiles  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
-
-WORKERS = [
-    ["prefill", "--threads", "1", "--cpus", "0"],
-    ["prefill", "--threads", "1", "--cpus", "1"],
-    ["decode", "--threads", "1"],
-]
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -145,21 +137,21 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     policies = (args.against, "cost")
-    env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
-    procs, gateways = [], {}
-    try:
-        for policy in policies:
-            argv = ["gateway", "--port", "0", "--http-port", "-1", "--policy", policy]
-            if args.decode_prefill_budget is not None:
-                argv += ["--decode-prefill-budget", args.decode_prefill_budget]
-            gw = start_process(argv, env=env)
-            procs.append(gw.proc)
-            gateways[policy] = gw.address
-        registry = ",".join(gateways.values())
-        for argv in WORKERS:
-            kv = args.prefill_kv_cache_bytes if argv[0] == "prefill" else args.kv_cache_bytes
-            extra = ["--kv-cache-bytes", kv, "--gateway", registry]
-            procs.append(start_process([*argv, *extra], env=env).proc)
+    budget = (
+        []
+        if args.decode_prefill_budget is None
+        else ["--decode-prefill-budget", args.decode_prefill_budget]
+    )
+    gateway_args = {policy: ["--policy", policy, *budget] for policy in policies}
+    workers = [
+        [
+            *argv,
+            "--kv-cache-bytes",
+            args.prefill_kv_cache_bytes if argv[0] == "prefill" else args.kv_cache_bytes,
+        ]
+        for argv in TWO_PREFILL
+    ]
+    with gateways_and_workers(gateway_args, workers) as (gateways, _):
         # warm-up (a round of its own, on both gateways): compiled paths, measured speeds
         for policy in policies:
             asyncio.run(one_round(gateways[policy], 1000 + policies.index(policy), args))
@@ -182,8 +174,6 @@ def main() -> None:
                 f"wall {wall:.1f} s",
                 flush=True,
             )
-    finally:
-        stop_processes(procs)
     summary = {
         "cpu": cpu_model(),
         "args": {k: v for k, v in vars(args).items() if k != "json"},

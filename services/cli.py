@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from pdserve.services import launcher, lifecycle
 from pdserve.services.admin_cli import admin_commands
-from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.config import POLICIES, GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 
 from pdserve import envs
@@ -185,11 +185,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
     _http_arg(gw)
-    gw.add_argument(
-        "--policy",
-        default=GatewayConfig.policy,
-        help="round_robin, least_loaded, or cost (by the workers' reported load and prefix caches)",
-    )
+    _policy_arg(gw)
     gw.add_argument(
         "--affinity-slack",
         type=float,
@@ -363,6 +359,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--port", type=int, default=50051)
     _http_arg(up)
     _placement_arg(up)
+    _policy_arg(up)
     up.add_argument(
         "--api-keys",
         default=None,
@@ -430,6 +427,16 @@ def _http_arg(p: argparse.ArgumentParser) -> None:
         default=HTTP_PORT,
         help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
+    )
+
+
+def _policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy",
+        default=GatewayConfig.policy,
+        choices=POLICIES,
+        help="how the gateway picks workers: cost (the default: by the workers' reported queues, "
+        "speeds and prefix caches), least_loaded (this gateway's tokens in flight), round_robin",
     )
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+POLICIES = ("cost", "least_loaded", "round_robin")  # router.py; the first is the default
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """``policy``: how workers are picked (``router.POLICIES``); ``lease_s``: how long a worker stays
+    """``policy``: how workers are picked (``POLICIES``, router.py); ``lease_s``: how long a worker stays
     listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds blocks reserved
     for a KV transfer beyond twice the wait expected at its prefill worker (``cost.kv_hold_s``),
     and the prefill call's deadline when the client set none;
@@ -49,7 +51,7 @@ class GatewayConfig:
     workers; the real probe (``engine_timeout_s``) stays the backstop. Workers warm up before
     they serve (EngineLoop._warm_up), so a prediction is measured before the first request."""
 
-    policy: str = "least_loaded"
+    policy: str = POLICIES[0]
     lease_s: float = 10.0
     kv_timeout_s: float = 30.0
     max_attempts: int = 3

@@ -6,10 +6,9 @@ import itertools
 from collections.abc import Sequence
 
 from pdserve.services.gateway import cost
+from pdserve.services.gateway.config import POLICIES
 from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.registry import Worker
-
-POLICIES = ("round_robin", "least_loaded", "cost")
 
 # Estimates this close to the cheapest are a tie (taken in turns): a few ms of difference is
 # below what an estimate can tell apart.

@@ -53,6 +53,23 @@ def test_gateway_options_reach_the_config():
     )
 
 
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_the_routing_policy_is_cost_unless_chosen_and_a_bad_one_says_what_is_allowed(
+    command, capsys
+):
+    assert build_parser().parse_args([command]).policy == GatewayConfig().policy == "cost"
+    assert build_parser().parse_args([command, "--policy", "round_robin"]).policy == "round_robin"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--policy", "fastest"])
+    assert exit_.value.code == 2
+    # Python 3.12 stopped quoting the choices
+    err = (
+        capsys.readouterr().err.replace("'cost'", "cost").replace("'least_loaded'", "least_loaded")
+    )
+    err = err.replace("'round_robin'", "round_robin")
+    assert "invalid choice: 'fastest' (choose from cost, least_loaded, round_robin)" in err
+
+
 def test_a_bad_hang_detection_option_is_a_clear_error():
     args = build_parser().parse_args(["gateway", "--probe-timeout", "0"])
     with pytest.raises(ValueError, match="probe_timeout_s must be > 0 seconds, got 0.0"):
