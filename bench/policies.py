@@ -1,11 +1,12 @@
 """Routing policies side by side on one load with no shared prefixes (W-mixed by default): one
-set of real workers (2 prefill workers, one core each, and a decode worker), registered with one
-gateway per policy; the load runs ``--rounds`` times, the gateways taking turns (so a slow spell
-of the machine falls on each), every round with prompts of its own (``--seed`` + the round: none
-found in a cache a round before). Prints each round's summary,
-then per policy the median over its rounds and the ratios to the first policy's.
+set of real workers (2 prefill workers, one core each, and a decode worker; prefix caching off, as
+no prompt shares a prefix), registered with one gateway per policy. The load runs in
+``--pairs`` sets of rounds, one round per policy, every set with prompts of its own (``--seed`` +
+the set) and the policies' order reversed every other set (A B, B A, ...), so each policy meets
+the same prompts and the machine's slow spells fall on both. Prints each round's summary, then per
+policy the median over its rounds and the ratios to the first policy's.
 
-    .venv/bin/python bench/policies.py --rounds 4 --policies least_loaded cost --json out.json
+    .venv/bin/python bench/policies.py --pairs 4 --policies least_loaded cost --json out.json
 
 (``bench/prefix_routing.py`` is the same set-up on a repeated-prefix chat workload.)
 """
@@ -36,18 +37,18 @@ METRICS = ("ttft_s", "tpot_s", "itl_s")
 def main() -> None:
     p = load_parser(requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128)
     p.add_argument("--policies", nargs="+", default=["least_loaded", "cost"])
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--pairs", type=int, default=4, help="sets of rounds, one per policy")
     args = p.parse_args()
     runs: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     gateway_args = {policy: ["--policy", policy] for policy in args.policies}
-    workers = [[*argv, *COMMON] for argv in TWO_PREFILL]
+    workers = [[*argv, *COMMON, "--no-prefix-caching"] for argv in TWO_PREFILL]
     with gateways_and_workers(gateway_args, workers) as (gateways, _):
-        for r in range(args.rounds):
-            policy = args.policies[r % len(args.policies)]
-            print(f"== round {r}: {policy}", flush=True)
-            load = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
-            runs[policy].append(warm_then_load(gateways[policy], load))
-            print_summary(runs[policy][-1])
+        for k in range(args.pairs):
+            load = argparse.Namespace(**{**vars(args), "seed": args.seed + k})
+            for policy in args.policies[:: 1 if k % 2 == 0 else -1]:
+                print(f"== prompts {k}: {policy}", flush=True)
+                runs[policy].append(warm_then_load(gateways[policy], load))
+                print_summary(runs[policy][-1])
     medians = {policy: median_summary(s) for policy, s in runs.items() if s}
     base = args.policies[0]
     print(f"== median over each policy's rounds; ratio to {base}")
