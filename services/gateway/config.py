@@ -9,10 +9,10 @@ POLICIES = ("cost", "least_loaded", "round_robin")  # router.py; the first is th
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """``policy``: how workers are picked (``POLICIES``, router.py); ``lease_s``: how long a worker stays
-    listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds blocks reserved
-    for a KV transfer beyond twice the wait expected at its prefill worker (``cost.kv_hold_s``),
-    and the prefill call's deadline when the client set none;
+    """``policy``: how workers are picked (``POLICIES``, router.py); ``lease_s``: how long a
+    worker stays listed without a heartbeat; ``kv_timeout_s``: how long a decode worker holds
+    blocks reserved for a KV transfer beyond twice the wait expected at its prefill worker
+    (``cost.kv_hold_s``), and the prefill call's deadline when the client set none;
     ``max_attempts``: worker pairs tried before the first token; ``max_resumes``: how many times
     a request whose worker fails after tokens were streamed is continued on another worker (its
     prompt plus the tokens sent so far as the new prompt), then UNAVAILABLE; ``queue_timeout_s``: how long a

@@ -137,7 +137,7 @@ def prefill_estimate(
     if r is not None:
         # what this gateway has in flight there is a floor: a report generated before prompts
         # sent just ahead of it reached the worker counts them neither in its queue nor as sent
-        # since (W-mixed, 2 prefill workers: the cost policy sent short prompts behind those)
+        # since, and the worker looked idle
         queue = max(queue, max(0.0, r.queue_s - (now - r.at)) + w.unreported_tokens * token_s)
     cached = cached_tokens(w, job, r)
     return queue + (len(job.prompt_ids) - cached) * token_s, cached
