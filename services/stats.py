@@ -30,8 +30,9 @@ def heartbeat_stats(loop: EngineLoop) -> worker_pb2.WorkerStats:
     token_s = engine.prefill_token_s
     stats.prefill_token_s = token_s
     stats.prefill_queue_s = engine.scheduler.num_prompt_tokens_to_compute() * token_s
-    summary = PrefixSummary.build(engine.scheduler.block_size, engine.allocator.cached_hashes())
-    stats.prefix_summary.CopyFrom(summary_to_proto(summary))
+    if engine.scheduler.enable_prefix_caching:  # else none: the gateways expect no cache hit here
+        summary = PrefixSummary.build(engine.scheduler.block_size, engine.allocator.cached_hashes())
+        stats.prefix_summary.CopyFrom(summary_to_proto(summary))
     return stats
 
 

@@ -111,7 +111,10 @@ def typical_token_s(pool: list[Worker], now: float, stale_s: float) -> float:
 
 def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
     """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or
-    sent there by this gateway lately."""
+    sent there by this gateway lately; none when its fresh report carries no summary (its
+    prefix caching is off, or the summary did not parse)."""
+    if r is not None and r.summary is None:
+        return 0
     summary = r.summary if r is not None else None
     block_size = summary.block_size if summary is not None else w.recent_block_size
     if not block_size:

@@ -24,8 +24,10 @@ FP32 = ("--dtype", "float32")
 def cluster():
     c = start_cluster()
     try:
+        # Prefix caching off on the prefill workers: the streams repeat the reference's prompts,
+        # which the cost policy would send where they are cached, leaving no prefill to kill.
         for i in range(2):
-            c.start_worker(f"prefill-{i}", "prefill", *FP32)
+            c.start_worker(f"prefill-{i}", "prefill", *FP32, "--no-prefix-caching")
         for i in range(2):
             c.start_worker(f"decode-{i}", "decode", *FP32)
         yield c

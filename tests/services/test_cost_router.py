@@ -189,6 +189,23 @@ def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel
     assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
 
 
+def test_a_worker_that_reports_no_prefix_summary_is_expected_to_cache_nothing(channel):
+    """A worker with prefix caching off sends no summary: a prompt sent there lately is not
+    cached there, and the next one like it goes where it is cheaper by the queues alone."""
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    router = Router("cost", stale_s=STALE_S)
+    first = chat(0)
+    a.prompt_cached(first.hashes(16), 16)
+    a.reported(Report.from_proto(worker_pb2.WorkerStats(prefill_token_s=1e-3), NOW))
+    b.reported(report(queue_s=0.1))
+    assert a.cached_recently(first.hashes(16)[0])  # sent there, but its report says no cache
+    assert prefill_estimate(a, chat(1), NOW, STALE_S) == pytest.approx((0.64, 0))
+    assert tokens_to_compute(a, chat(1), NOW, STALE_S) == 640
+    assert pick(router, [a, b], chat(1)) == "prefill-a"  # 0.64 s against b's 0.74 s
+    b.reported(report(queue_s=0.1, cached=SYSTEM))  # b holds the system prompt: 0.148 s
+    assert pick(router, [a, b], chat(1)) == "prefill-b"
+
+
 def test_what_is_sent_since_the_report_queues_only_its_uncached_tokens(channel):
     """Sessions of one system prompt keep landing on its holder: each one sent there adds its
     48 tokens past the cached blocks to the holder's queue estimate, not its 640 (the holder computes only those);
