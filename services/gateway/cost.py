@@ -153,15 +153,11 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     of ``kv_timeout_s`` alone timed out every prompt that queued longer than that at a busy
     prefill worker, which the gateway then started again from the back of the queue (W-mixed on
     one Zen 3 prefill core: 13 of 62 disaggregated prompts, some after 18 of 30 layers). The wait
-    is the larger of the router's estimate and everything this gateway has in flight there
-    computed whole: in a burst, a report can come before the prompts sent just ahead of it were
-    queued there, and leave them out of both its queue and what was sent since. Until the worker
-    has a measured rate (before its first heartbeat) the latter assumes a slow one: a hold too
+    is the router's estimate (its queue at least what this gateway has in flight there), but
+    until the worker has a measured rate (before its first heartbeat) at a slow one: a hold too
     long costs nothing unless the KV never comes, one too short throws a prefill away."""
-    wait, _ = prefill_estimate(prefill, job, now, stale_s)
-    token_s = measured_token_s(prefill, prefill.report) or KV_HOLD_TOKEN_S  # a stale report's too
-    mine = (prefill.outstanding_tokens + len(job.prompt_ids)) * token_s
-    return min(kv_timeout_s + KV_HOLD_MARGIN * max(wait, mine), max(MAX_KV_HOLD_S, kv_timeout_s))
+    wait, _ = prefill_estimate(prefill, job, now, stale_s, KV_HOLD_TOKEN_S)
+    return min(kv_timeout_s + KV_HOLD_MARGIN * wait, max(MAX_KV_HOLD_S, kv_timeout_s))
 
 
 def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, int]:
