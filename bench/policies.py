@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -29,6 +28,7 @@ from bench.common import (  # noqa: E402
     load_parser,
     warm_then_load,
 )
+from pdserve.bench_offline import cpu_model  # noqa: E402
 from pdserve.bench_serve import print_summary  # noqa: E402
 
 METRICS = ("ttft_s", "tpot_s", "itl_s")
@@ -64,7 +64,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": platform.processor(), "args": vars(args), "runs": runs}, f, indent=1)
+            json.dump({"cpu": cpu_model(), "args": vars(args), "runs": runs}, f, indent=1)
 
 
 def median_summary(summaries: list[dict]) -> dict:

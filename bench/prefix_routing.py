@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 
 from bench.common import TWO_PREFILL, gateways_and_workers  # noqa: E402
+from pdserve.bench_offline import cpu_model  # noqa: E402
 from pdserve.bench_serve import WORDS, percentiles  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -90,14 +90,6 @@ async def one_round(address: str, round_no: int, args) -> tuple[list[list[float]
         ]
         per_session = await asyncio.gather(*runs)
         return per_session, time.perf_counter() - began
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

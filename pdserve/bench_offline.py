@@ -132,16 +132,20 @@ def time_hf(
     return {"prefill_s": prefill, "decode_tokens_per_s": (output_len - 1) / (total - prefill)}
 
 
-def machine_description(device: str = "cpu") -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: str = "cpu") -> str:
+    cpu = cpu_model()
     host = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
     if device.startswith("cuda"):
         from pdserve.bench_gpu import gpu_description
