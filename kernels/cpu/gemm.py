@@ -83,6 +83,15 @@ class _Packing:
         self.linear = lib.pdserve_linear_packed
         self.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
         self.linear.restype = None
+        self.q4p_bytes = lib.pdserve_q4p_bytes
+        self.q4p_bytes.argtypes = [ctypes.c_int64] * 2
+        self.q4p_bytes.restype = ctypes.c_int64
+        self.pack_q4_1 = lib.pdserve_pack_q4_1
+        self.pack_q4_1.argtypes = self.pack.argtypes
+        self.pack_q4_1.restype = None
+        self.hybrid = lib.pdserve_linear_hybrid
+        self.hybrid.argtypes = self.linear.argtypes
+        self.hybrid.restype = None
 
 
 @functools.cache
@@ -112,6 +121,57 @@ def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
     ref = weakref.ref(weight, lambda _, key=key: _packed.pop(key, None))
     _packed[key] = (ref, weight._version, weight.data_ptr(), packed)
     return packed
+
+
+class HybridWeight(ctypes.Structure):
+    """linear.c's HybridWeight: a Q4_1 weight as ``pdserve_linear_hybrid`` multiplies it."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("q4p", ctypes.c_void_p),
+        ("q4_max_rows", ctypes.c_int64),
+    ]
+
+
+# Most rows of x for which a Q4_1 weight is multiplied from its 4-bit blocks (pdserve_linear_q4p);
+# more go to its packed bf16 copy. Same outputs either way (packed_q4.h), so only speed decides.
+HYBRID_Q4_MAX_ROWS = 8
+# id(weight) -> (weakref to it, its HybridWeight, the tensors the HybridWeight points into)
+_hybrids: dict[int, tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]]] = {}
+
+
+def hybrid_available() -> bool:
+    """Whether a bf16 model's Q4_1 weights run as ``hybrid_weight``s here (AVX512-BF16)."""
+    return _packing() is not None
+
+
+def hybrid_weight(weight) -> HybridWeight | None:
+    """For a Q4_1 ``QuantizedWeight`` where the CPU multiplies bf16 natively: its 4-bit blocks
+    repacked for ``pdserve_linear_q4p`` and a packed bf16 copy of its dequantized values, made on
+    first use, dropped with the weight; else None. The bf16 model then reads 4-bit weights in
+    small decode steps and runs prefill at the packed kernel's speed, with the outputs of a
+    dense bf16 copy of the same weights in both."""
+    entry = _hybrids.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    packing = _packing()
+    if packing is None or not isinstance(weight, quant.QuantizedWeight) or weight.qtype != 3:
+        return None
+    n, k = weight.shape
+    if k % 32 or not weight.data.is_contiguous():
+        return None
+    threads = torch.get_num_threads()
+    dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
+    packed = memory.empty(packing.words(n, k), torch.int32)
+    packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
+    del dense
+    q4p = memory.empty(packing.q4p_bytes(n, k), torch.uint8)
+    packing.pack_q4_1(weight.data.data_ptr(), n, k, q4p.data_ptr(), threads)
+    desc = HybridWeight(packed.data_ptr(), q4p.data_ptr(), HYBRID_Q4_MAX_ROWS)
+    key = id(weight)
+    ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))
+    _hybrids[key] = (ref, desc, (packed, q4p))
+    return desc
 
 
 def prepack_linear(weight: torch.Tensor) -> None:
@@ -164,6 +224,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """See ``reference.linear``; which kernel takes which inputs: see the module's docstring.
     A ``QuantizedWeight`` goes to ``quant.linear``."""
     if isinstance(weight, quant.QuantizedWeight):
+        if x.dtype == torch.bfloat16 and _hybrid_ok(x, weight, bias):
+            hybrid = hybrid_weight(weight)
+            if hybrid is not None:
+                return _linear_hybrid(x, hybrid, weight.shape, bias)
         return quant.linear(x, weight, bias)
     packing = _packing() if x.dtype == torch.bfloat16 else None
     max_rows = 1 << 62 if packing is not None else LINEAR_MAX_ROWS.get(x.dtype, 0)
@@ -200,4 +264,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         threads,
     ):
         raise MemoryError("linear: the C kernel could not allocate its scratch memory")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _hybrid_ok(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
+    """Whether ``pdserve_linear_hybrid`` covers these inputs (bf16 x and bias, no autograd)."""
+    k = weight.shape[1]
+    return (
+        x.dim() > 0
+        and x.shape[-1] == k
+        and 0 < x.numel()
+        and x.is_cpu
+        and x.is_contiguous()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and (
+            bias is None
+            or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (weight.shape[0],))
+        )
+    )
+
+
+def _linear_hybrid(x: torch.Tensor, hybrid: HybridWeight, shape, bias) -> torch.Tensor:
+    n, k = shape
+    rows = x.numel() // k
+    y = torch.empty(rows, n, dtype=x.dtype)
+    _packing().hybrid(
+        x.data_ptr(),
+        ctypes.addressof(hybrid),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

@@ -161,6 +161,19 @@ def _part(tokens: int, block_tables, context_lens, query_start=None) -> tuple[_P
     return part, [tables, lens, starts]
 
 
+def _projections(model) -> list:
+    return [
+        lin
+        for layer in model.layers
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+
+
 class LayerLoop:
     """``loop(input_ids, positions, kv_caches, meta, num_layers, after_layer)`` -> ``(x, residual)``
     after layers 0 .. num_layers-1, as ``LlamaForCausalLM.forward``'s module path leaves them
@@ -173,6 +186,12 @@ class LayerLoop:
         self.decode_only = self.dtype == torch.float32
         self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
         self.quantized = quant_lib is not None  # every projection quantized (else none)
+        # a bf16 model of Q4_1 projections, multiplied as gemm.linear does (pdserve_linear_hybrid)
+        self.hybrid = (
+            self.quantized
+            and not self.decode_only
+            and all(gemm.hybrid_weight(lin.weight) is not None for lin in _projections(model))
+        )
         self.hidden, self.heads, self.kv_heads, self.head_dim = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -188,6 +207,8 @@ class LayerLoop:
             _address(
                 packing.linear
                 if quant_lib is None
+                else packing.hybrid
+                if self.hybrid
                 else quant_lib.pdserve_qlinear_desc_f32
                 if self.decode_only
                 else quant_lib.pdserve_qlinear_desc
@@ -231,7 +252,11 @@ class LayerLoop:
                 ("gate_up", mlp.gate_up_proj),
                 ("down", mlp.down_proj),
             ):
-                if self.quantized:  # a descriptor of the blocks, for pdserve_qlinear_desc
+                if self.hybrid:  # the Q4_1 blocks and the packed bf16 copy, by rows of x
+                    desc = gemm.hybrid_weight(lin.weight)
+                    keep.append((desc, lin.weight))
+                    setattr(entry, f"{name}_w", ctypes.addressof(desc))
+                elif self.quantized:  # a descriptor of the blocks, for pdserve_qlinear_desc
                     desc = quant.descriptor(lin.weight)
                     keep.append((desc, lin.weight))
                     setattr(entry, f"{name}_w", ctypes.addressof(desc))
@@ -357,16 +382,7 @@ def compile_layer_loop(model) -> LayerLoop | None:
         return None
     cfg = model.config
     params = list(model.parameters())
-    projections = [
-        lin
-        for layer in model.layers
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    projections = _projections(model)
     quantized = [not isinstance(lin.weight, torch.Tensor) for lin in projections]
     quant_lib = None
     if any(quantized):

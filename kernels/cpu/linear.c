@@ -353,6 +353,8 @@ void pdserve_linear_packed(const uint16_t *x, const uint32_t *packed, const uint
         packed_rows(x, K, packed + nb * block_words, kps, bias, y, N, nb * PNB, m0, m1, next);
     }
 }
+
+#include "packed_q4.h" /* Q4_1 blocks multiplied as the packed kernel multiplies their bf16 */
 #endif
 
 /* 1 if pdserve_pack_bf16 / pdserve_linear_packed exist (AVX512-BF16). */

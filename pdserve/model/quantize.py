@@ -8,10 +8,15 @@ takes in place of a dense weight:
   the converted folder (``fetch.gguf_source``), rows as the file has them (q/k unpermuted); a
   tensor of another GGUF type stays dense.
 - ``int8``, ``q8_0``, ``q4_1``, ``q4_0``: the dense weights quantized here (``kernels.quantize``).
-- ``auto`` (the default): ``gguf`` where the model was converted from a GGUF file and its weights
-  would be fp32 on the CPU (no native bf16), else ``none`` (``resolve_quantization``). On a 2-core
-  AVX2 Zen 3 the default model's own Q4_1 blocks decode one stream 3x faster than fp32 and batch
-  32 as fast; on CPUs with AVX512-BF16 the packed bf16 weights stay the measured fast path.
+- ``auto`` (the default): ``gguf`` where the model was converted from a GGUF file and runs on
+  the CPU, else ``none`` (``resolve_quantization``). With fp32 weights (no native bf16) every
+  GGUF block the kernels read is used: on a 2-core AVX2 Zen 3 the default model's own Q4_1
+  blocks decode one stream 3x faster than fp32 and batch 32 as fast. With bf16 weights (AVX512-
+  BF16) only the Q4_1 projections are: a Q4_1 weight is then multiplied from its blocks for up
+  to ``gemm.HYBRID_Q4_MAX_ROWS`` rows of x and from a packed bf16 copy for more, with the
+  outputs of that bf16 copy either way (``kernels/cpu/packed_q4.h``), so the model computes
+  exactly what the dense bf16 model of the converted folder computes, only reading 4-bit
+  projections in small decode steps. Without native bf16 packing a bf16 model stays dense.
 
 Tied embeddings are quantized with the lm_head (one copy), and the embedding lookup dequantizes
 the rows it needs (``QuantizedEmbedding``); an untied embedding stays dense (only looked up).
@@ -57,13 +62,22 @@ def resolve_quantization(mode: str, folder: Path | None, dtype: torch.dtype, dev
 
     cpu = torch.device(device).type == "cpu"
     kept = folder is not None and (Path(folder) / GGUF_COPY).is_file()
-    return "gguf" if cpu and dtype == torch.float32 and kept else "none"
+    if not (cpu and kept):
+        return "none"
+    if dtype == torch.float32:
+        return "gguf"
+    from pdserve.kernels.cpu import gemm
+
+    return "gguf" if dtype == torch.bfloat16 and gemm.hybrid_available() else "none"
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> str:
     """Replace ``model``'s projection weights by quantized ones (``mode``: see the module);
     returns the mode applied ("auto" resolved)."""
-    mode = resolve_quantization(mode, folder, model.norm.weight.dtype, model.norm.weight.device)
+    dtype = model.norm.weight.dtype
+    # auto on a bf16 model: its Q4_1 projections only (the hybrid); the outputs stay the dense's
+    q4_1_only = mode == "auto" and dtype == torch.bfloat16
+    mode = resolve_quantization(mode, folder, dtype, model.norm.weight.device)
     if mode == "none":
         return mode
     source: dict[str, kernels.QuantizedWeight] | None = None
@@ -74,7 +88,6 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
         source = quantized_tensors(gguf_source(Path(folder)), model.config)
     elif mode not in kernels.QTYPES:
         raise ValueError(f"quantization {mode!r} is not supported")
-    dtype = model.norm.weight.dtype
     tied = model.config.tie_word_embeddings
     with torch.no_grad():
         for linear, names in _projections(model):
@@ -86,6 +99,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
                     continue  # a GGUF type we do not read: stays dense
                 parts = [source[n] for n in names]
                 qw = parts[0] if len(parts) == 1 else kernels.concat(parts)
+                if q4_1_only and qw.qtype != kernels.QTYPES["q4_1"]:
+                    continue  # stays dense: packed bf16 at every row count
             else:
                 qw = kernels.quantize(weight, mode)
             if tuple(qw.shape) != tuple(weight.shape):
@@ -93,6 +108,10 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
                     f"{names}: quantized shape {qw.shape}, expected {tuple(weight.shape)}"
                 )
             _replace(linear, qw)
+            if q4_1_only:  # its bf16 copy and repacked blocks made now, not at the first step
+                from pdserve.kernels.cpu import gemm
+
+                gemm.hybrid_weight(qw)
             if linear is model.lm_head and tied:
                 model.embed_tokens = QuantizedEmbedding(qw, model.ops, dtype)
     return mode

@@ -203,7 +203,7 @@ def test_quantized_at_load_on_small_models(tiny_model, kind, mode):
         assert outs[mode] == outs["none"]
 
 
-def test_auto_quantization_takes_the_gguf_blocks_only_for_fp32_weights_on_the_cpu(tmp_path):
+def test_auto_quantization_takes_the_gguf_blocks_on_the_cpu(tmp_path):
     from pdserve.model.gguf_convert import GGUF_COPY
     from pdserve.model.quantize import resolve_quantization
 
@@ -211,7 +211,32 @@ def test_auto_quantization_takes_the_gguf_blocks_only_for_fp32_weights_on_the_cp
     kept.mkdir(), bare.mkdir()
     (kept / GGUF_COPY).write_bytes(b"GGUF")
     assert resolve_quantization("auto", kept, torch.float32, "cpu") == "gguf"
-    assert resolve_quantization("auto", kept, torch.bfloat16, "cpu") == "none"  # AVX512-BF16
+    bf16 = "gguf" if gemm.hybrid_available() else "none"  # the hybrid needs AVX512-BF16
+    assert resolve_quantization("auto", kept, torch.bfloat16, "cpu") == bf16
     assert resolve_quantization("auto", kept, torch.float32, "cuda:0") == "none"
     assert resolve_quantization("auto", bare, torch.float32, "cpu") == "none"  # no GGUF source
     assert resolve_quantization("int8", bare, torch.bfloat16, "cpu") == "int8"  # asked for
+
+
+@pytest.mark.skipif(not gemm.hybrid_available(), reason="the Q4_1 hybrid needs AVX512-BF16")
+def test_bf16_auto_runs_the_q4_1_blocks_and_computes_the_dense_bf16_model():
+    """``auto`` on a bf16 model takes the GGUF's Q4_1 projections only (4-bit reads for few rows,
+    the packed bf16 copy for more) and gives the dense bf16 model's greedy tokens and logprobs,
+    bit for bit, whether a prompt decodes alone (the 4-bit kernel) or among 16 (the copy)."""
+    llm = make_llm("auto", dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert model.quantization == "gguf"
+    quantized = [
+        lin.weight for _, lin in projections(llm) if not isinstance(lin.weight, torch.Tensor)
+    ]
+    assert len(quantized) == 4 * len(model.layers)  # every layer's; the lm_head stays dense
+    assert all(gemm.hybrid_weight(w) is not None for w in quantized)
+    prompts = [llm.chat_prompt(q) for q in QUESTIONS] * 2
+    assert len(prompts) > gemm.HYBRID_Q4_MAX_ROWS
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    want = make_llm("none", dtype="bfloat16").generate(prompts, params)
+    alone = [llm.generate([p], params)[0] for p in prompts[: len(QUESTIONS)]]
+    for outs in (llm.generate(prompts, params), alone):
+        for got, ref in zip(outs, want, strict=False):
+            assert got.token_ids == ref.token_ids
+            assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in ref.logprobs]

@@ -1,0 +1,150 @@
+/*
+ * Q4_1 weights multiplied as bf16 (included by linear.c where the CPU has AVX512-BF16): the
+ * same arithmetic as pdserve_linear_packed on the bf16 rounding of the dequantized weight, so
+ * the two give bit-identical outputs, while this one reads the 4-bit blocks (20 bytes per 32
+ * weights, as GGUF stores them) instead of 64 bytes of bf16.
+ *
+ * Why: a bf16 model whose weights came as Q4_1 (the default model) streams its projections per
+ * decode step as bf16 through the packed kernel. With few rows of x that step is the speed of
+ * memory, and 4-bit blocks are 3.2x fewer bytes. With many rows the packed kernel is compute
+ * bound and quicker (no unpacking), so pdserve_linear_hybrid picks by the number of rows; the
+ * results cannot depend on that choice, because every output is the same chain of vdpbf16ps
+ * over the same bf16 pairs, k in order, from 0.
+ *
+ * Layout (pdserve_pack_q4_1), groups of 16 outputs g, then blocks of 32 k, 320 bytes each:
+ *
+ *   [0, 32)     d of outputs 16 g .. 16 g + 15 (fp16, the Q4_1 block's scale)
+ *   [32, 64)    m of the same (fp16, the block's minimum)
+ *   [64, 320)   16 pairs of k (2p, 2p + 1), 16 bytes each: byte i = lo(i) | hi(i) << 4, where
+ *               lo(i) = q[16 g + i / 2][2 p + i % 2] and hi(i) = q[16 g + 8 + i / 2][2 p + i % 2]
+ *
+ * so that one 16-byte load, widened to 16 dwords, gives (through a 16-entry table) the values of
+ * outputs 0-7 of the group at k and k + 1 interleaved (low nibbles) and of outputs 8-15 (high);
+ * their fp32 values q d + m (exact: q d is) rounded by vcvtne2ps2bf16 are then the dwords
+ * (w[n][k], w[n][k + 1]) for n = 16 g .. 16 g + 15 in order: the packed kernel's register.
+ */
+#define Q4G 16           /* outputs per group */
+#define Q4GB 320         /* bytes per group and block of 32 k */
+#define Q4MR 8           /* rows of x per pass over a group */
+
+int64_t pdserve_q4p_bytes(int64_t N, int64_t K) { return (N + Q4G - 1) / Q4G * (K / 32) * Q4GB; }
+
+/* Q4_1 blocks (GGUF's: fp16 d, fp16 m, 16 bytes: value j low nibble, value j + 16 high) [N, K/32]
+ * into the layout above; outputs past N get d = m = 0. K must be a multiple of 32. */
+void pdserve_pack_q4_1(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
+                       int32_t num_threads) {
+    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint8_t *o = out + (g * kbs + kb) * Q4GB;
+            memset(o, 0, Q4GB);
+            uint8_t q[Q4G][32];
+            memset(q, 0, sizeof q);
+            for (int j = 0; j < Q4G; j++) {
+                const int64_t n = g * Q4G + j;
+                if (n >= N) continue;
+                const uint8_t *b = blocks + (n * kbs + kb) * 20;
+                memcpy(o + 2 * j, b, 2);      /* d */
+                memcpy(o + 32 + 2 * j, b + 2, 2); /* m */
+                for (int v = 0; v < 16; v++) {
+                    q[j][v] = b[4 + v] & 15;
+                    q[j][v + 16] = b[4 + v] >> 4;
+                }
+            }
+            for (int p = 0; p < 16; p++)
+                for (int i = 0; i < 16; i++)
+                    o[64 + 16 * p + i] = (uint8_t)(q[i / 2][2 * p + i % 2] | q[8 + i / 2][2 * p + i % 2] << 4);
+        }
+}
+
+/* Rows 0 .. mr-1 of x against group g: y[r][16 g + i], masked past N. */
+static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, int64_t K,
+                                                           const uint8_t *wg, int mr,
+                                                           const uint16_t *bias, uint16_t *y,
+                                                           int64_t N, int64_t n0) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    __m512 acc[Q4MR];
+    UNROLL for (int r = 0; r < Q4MR; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t kbs = K / 32;
+    for (int64_t kb = 0; kb < kbs; kb++) {
+        const uint8_t *b = wg + kb * Q4GB;
+        _mm_prefetch((const char *)b + 4 * Q4GB, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + 4 * Q4GB + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + 4 * Q4GB + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + 4 * Q4GB + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + 4 * Q4GB + 256, _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+        const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
+        UNROLL for (int p = 0; p < 16; p++) {
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 16 * p)));
+            const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo, mlo);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi, mhi);
+            const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+            const int64_t k = kb * 32 + 2 * p;
+            UNROLL for (int r = 0; r < Q4MR; r++) {
+                if (r >= mr) break;
+                int32_t pair;
+                memcpy(&pair, x + r * K + k, sizeof pair);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+            }
+        }
+    }
+    const int64_t rem = N - n0;
+    const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+    UNROLL for (int r = 0; r < Q4MR; r++) {
+        if (r >= mr) break;
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bv));
+        _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
+    }
+}
+
+/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_q4_1; x, y, bias bf16. */
+void pdserve_linear_q4p(const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y,
+                        int64_t M, int64_t N, int64_t K, int32_t num_threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t groups = (N + Q4G - 1) / Q4G, group_bytes = (K / 32) * Q4GB;
+    if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t m = 0; m < M; m += Q4MR) {
+            const int mr = M - m < Q4MR ? (int)(M - m) : Q4MR;
+            const uint16_t *xm = x + m * K;
+            uint16_t *ym = y + m * N;
+            const uint8_t *wg = w + g * group_bytes;
+            switch (mr) { /* a constant row count per instance: acc stays in registers */
+            case 8: q4p_tile(xm, K, wg, 8, bias, ym, N, g * Q4G); break;
+            case 7: q4p_tile(xm, K, wg, 7, bias, ym, N, g * Q4G); break;
+            case 6: q4p_tile(xm, K, wg, 6, bias, ym, N, g * Q4G); break;
+            case 5: q4p_tile(xm, K, wg, 5, bias, ym, N, g * Q4G); break;
+            case 4: q4p_tile(xm, K, wg, 4, bias, ym, N, g * Q4G); break;
+            case 3: q4p_tile(xm, K, wg, 3, bias, ym, N, g * Q4G); break;
+            case 2: q4p_tile(xm, K, wg, 2, bias, ym, N, g * Q4G); break;
+            default: q4p_tile(xm, K, wg, 1, bias, ym, N, g * Q4G); break;
+            }
+        }
+}
+
+/* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight. */
+typedef struct {
+    const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
+    const uint8_t *q4p;     /* pdserve_pack_q4_1's of the same weight, or NULL (not Q4_1) */
+    int64_t q4_max_rows;    /* q4p for at most this many rows of x, packed for more */
+} HybridWeight;
+
+void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t *bias,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
+    const HybridWeight *h = (const HybridWeight *)weight;
+    if (h->q4p && M <= h->q4_max_rows)
+        pdserve_linear_q4p(x, h->q4p, bias, y, M, N, K, num_threads);
+    else
+        pdserve_linear_packed(x, h->packed, bias, y, M, N, K, num_threads);
+}

@@ -1,0 +1,82 @@
+"""Q4_1 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``): multiplied from
+their 4-bit blocks for few rows of x and from a packed bf16 copy for more, with bit-identical
+outputs either way, equal to the packed kernel on the bf16 rounding of the dequantized weight."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from pdserve.kernels import quantized as Q
+from pdserve.kernels.cpu import gemm
+
+from tests.kernels.test_quant import make_weight
+
+needs_packing = pytest.mark.skipif(
+    shutil.which("cc") is None or gemm._packing() is None,
+    reason="no C compiler or no AVX512-BF16 (the packed kernels need it)",
+)
+
+
+def _dense_bf16(qw: Q.QuantizedWeight) -> torch.Tensor:
+    return Q.dequantize_reference(qw).to(torch.bfloat16)
+
+
+@needs_packing
+@pytest.mark.parametrize("n,k", [(301, 576), (960, 576), (64, 1536), (7, 32)])
+def test_every_row_count_gives_the_dense_bf16_kernels_bits(n, k):
+    """Row counts on both sides of HYBRID_Q4_MAX_ROWS, partial passes of the 4-bit kernel, N not
+    a multiple of its 16 outputs, with and without bias: the same bits as the packed kernel on
+    the dequantized weight rounded to bf16 (the same vdpbf16ps chain per output)."""
+    qw = Q.quantize(make_weight(n, k, seed=5), "q4_1")
+    assert gemm.hybrid_weight(qw) is not None
+    dense = _dense_bf16(qw)
+    g = torch.Generator().manual_seed(6)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    rows = [*range(1, gemm.HYBRID_Q4_MAX_ROWS + 3), 17, 100]
+    for m in rows:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for b in (None, bias):
+            got = gemm.linear(x, qw, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert torch.equal(got, gemm.linear(x, dense, b)), (m, b is None)
+
+
+@needs_packing
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+    """What makes the choice by row count safe: a token's outputs do not depend on its batch."""
+    n, k = 576, 1536
+    qw = Q.quantize(make_weight(n, k, seed=7), "q4_1")
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    batch = gemm.linear(x, qw)
+    for i in (0, 5, 39):
+        assert torch.equal(gemm.linear(x[i : i + 1], qw), batch[i : i + 1])
+        assert torch.equal(gemm.linear(x[i : i + 3], qw), batch[i : i + 3])
+
+
+@needs_packing
+def test_thread_count_does_not_change_the_bits():
+    qw = Q.quantize(make_weight(960, 576, seed=9), "q4_1")
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.linear(x, qw)
+        torch.set_num_threads(2)
+        two = gemm.linear(x, qw)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_packing
+def test_other_formats_and_fp32_x_keep_the_quantized_kernels():
+    """Only Q4_1 gets the bf16 copy (a Q8_0 or int8 weight was chosen to save memory); fp32 x
+    is multiplied with the exact 4-bit values as before."""
+    for name in ("q8_0", "q4_0", "int8"):
+        assert gemm.hybrid_weight(Q.quantize(make_weight(64, 96, seed=11), name)) is None
+    qw = Q.quantize(make_weight(64, 96, seed=12), "q4_1")
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(13))
+    exact = x.double() @ Q.dequantize_reference(qw).double().T
+    torch.testing.assert_close(gemm.linear(x, qw).double(), exact, atol=1e-4, rtol=1e-5)
