@@ -44,7 +44,11 @@ def load_model(
         if (
             prepack is not None
             and isinstance(module, torch.nn.Linear)
-            and isinstance(module.weight, torch.Tensor)
+            and (
+                isinstance(module.weight, torch.Tensor)
+                # a bf16 model's Q4_1 blocks get a layout of their own where bf16 is native
+                or (dtype == torch.bfloat16 and isinstance(module.weight, kernels.QuantizedWeight))
+            )
         ):
             prepack(module.weight)  # a backend's own weight layout, made before the first request
     return model

@@ -155,7 +155,11 @@ def hybrid_weight(weight) -> HybridWeight | None:
     if entry is not None and entry[0]() is weight:
         return entry[1]
     packing = _packing()
-    if packing is None or not isinstance(weight, quant.QuantizedWeight) or weight.qtype != 3:
+    if (
+        packing is None
+        or not isinstance(weight, quant.QuantizedWeight)
+        or weight.qtype != quant.Q4_1
+    ):
         return None
     n, k = weight.shape
     if k % 32 or not weight.data.is_contiguous():
@@ -174,8 +178,13 @@ def hybrid_weight(weight) -> HybridWeight | None:
     return desc
 
 
-def prepack_linear(weight: torch.Tensor) -> None:
-    """Pack a projection's weight now (the model loader calls this), not at its first use."""
+def prepack_linear(weight: torch.Tensor | quant.QuantizedWeight) -> None:
+    """Pack a projection's weight now (the model loader calls this), not at its first use; a
+    Q4_1 weight of a bf16 model (which ``hybrid_weight`` takes) too."""
+    if isinstance(weight, quant.QuantizedWeight):
+        if weight.qtype == quant.Q4_1:
+            hybrid_weight(weight)
+        return
     packing = _packing()
     if (
         packing is not None

@@ -25,7 +25,8 @@
  */
 #define Q4G 16           /* outputs per group */
 #define Q4GB 320         /* bytes per group and block of 32 k */
-#define Q4MR 8           /* rows of x per pass over a group */
+#define Q4MR 8           /* rows of x per pass over the weights */
+#define Q4NG 4           /* groups side by side, at most */
 
 int64_t pdserve_q4p_bytes(int64_t N, int64_t K) { return (N + Q4G - 1) / Q4G * (K / 32) * Q4GB; }
 
@@ -58,80 +59,98 @@ void pdserve_pack_q4_1(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out
         }
 }
 
-/* Rows 0 .. mr-1 of x against group g: y[r][16 g + i], masked past N. */
+/* Rows 0 .. mr-1 of x against groups g .. g + ng - 1 (ng * mr <= 8 independent vdpbf16ps chains:
+ * one chain is bound by the instruction's latency, not by the bytes), y[r][16 (g + j) + i], masked
+ * past N. Each output's chain is the same whatever ng and mr are. */
 static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, int64_t K,
-                                                           const uint8_t *wg, int mr,
-                                                           const uint16_t *bias, uint16_t *y,
-                                                           int64_t N, int64_t n0) {
+                                                           const uint8_t *w, int64_t g, int ng,
+                                                           int mr, const uint16_t *bias,
+                                                           uint16_t *y, int64_t N) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    __m512 acc[Q4MR];
-    UNROLL for (int r = 0; r < Q4MR; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t kbs = K / 32;
+    const int64_t kbs = K / 32, group_bytes = kbs * Q4GB;
+    __m512 acc[Q4NG][Q4MR];
+    UNROLL for (int j = 0; j < Q4NG; j++)
+        UNROLL for (int r = 0; r < Q4MR; r++) acc[j][r] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
-        const uint8_t *b = wg + kb * Q4GB;
-        _mm_prefetch((const char *)b + 4 * Q4GB, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + 4 * Q4GB + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + 4 * Q4GB + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + 4 * Q4GB + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + 4 * Q4GB + 256, _MM_HINT_T0);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
-        const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
-        const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
+        const uint8_t *b[Q4NG];
+        __m512 dlo[Q4NG], dhi[Q4NG], mlo[Q4NG], mhi[Q4NG];
+        UNROLL for (int j = 0; j < Q4NG; j++) {
+            if (j >= ng) break;
+            b[j] = w + (g + j) * group_bytes + kb * Q4GB;
+            UNROLL for (int c = 0; c < Q4GB; c += 64) _mm_prefetch((const char *)b[j] + 4 * Q4GB + c, _MM_HINT_T0);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b[j]));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[j] + 32)));
+            dlo[j] = _mm512_permutexvar_ps(lo_idx, d), dhi[j] = _mm512_permutexvar_ps(hi_idx, d);
+            mlo[j] = _mm512_permutexvar_ps(lo_idx, m), mhi[j] = _mm512_permutexvar_ps(hi_idx, m);
+        }
         UNROLL for (int p = 0; p < 16; p++) {
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 64 + 16 * p)));
-            const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo, mlo);
-            const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi, mhi);
-            const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
             const int64_t k = kb * 32 + 2 * p;
-            UNROLL for (int r = 0; r < Q4MR; r++) {
-                if (r >= mr) break;
-                int32_t pair;
-                memcpy(&pair, x + r * K + k, sizeof pair);
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+            UNROLL for (int j = 0; j < Q4NG; j++) {
+                if (j >= ng) break;
+                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[j] + 64 + 16 * p)));
+                const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo[j], mlo[j]);
+                const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi[j], mhi[j]);
+                const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+                UNROLL for (int r = 0; r < Q4MR; r++) {
+                    if (r >= mr) break;
+                    int32_t pair;
+                    memcpy(&pair, x + r * K + k, sizeof pair);
+                    acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)_mm512_set1_epi32(pair), wv);
+                }
             }
         }
     }
-    const int64_t rem = N - n0;
-    const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
-    __m512 bv = _mm512_setzero_ps();
-    if (bias)
-        bv = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-    UNROLL for (int r = 0; r < Q4MR; r++) {
-        if (r >= mr) break;
-        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bv));
-        _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
+    UNROLL for (int j = 0; j < Q4NG; j++) {
+        if (j >= ng) break;
+        const int64_t n0 = (g + j) * Q4G, rem = N - n0;
+        const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+        UNROLL for (int r = 0; r < Q4MR; r++) {
+            if (r >= mr) break;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
+            _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
+        }
     }
 }
+
+/* One instance per (groups side by side, rows): both constant, so the chains stay in registers. */
+#define Q4P_CASE(NG, MR) case NG * 16 + MR: q4p_tile(xm, K, w, g, NG, MR, bias, ym, N); break;
 
 /* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_q4_1; x, y, bias bf16. */
 void pdserve_linear_q4p(const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y,
                         int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     if (M <= 0 || N <= 0) return;
-    const int64_t groups = (N + Q4G - 1) / Q4G, group_bytes = (K / 32) * Q4GB;
+    const int64_t groups = (N + Q4G - 1) / Q4G;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++)
+    if (num_threads > groups) num_threads = (int32_t)groups;
+    /* each thread an equal run of groups, walked ng at a time (4 for 1-2 rows, 2 for 3-4) */
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int64_t t = 0; t < num_threads; t++) {
+        const int64_t g1 = groups * (t + 1) / num_threads;
         for (int64_t m = 0; m < M; m += Q4MR) {
             const int mr = M - m < Q4MR ? (int)(M - m) : Q4MR;
+            const int most = mr <= 2 ? 4 : mr <= 4 ? 2 : 1;
             const uint16_t *xm = x + m * K;
             uint16_t *ym = y + m * N;
-            const uint8_t *wg = w + g * group_bytes;
-            switch (mr) { /* a constant row count per instance: acc stays in registers */
-            case 8: q4p_tile(xm, K, wg, 8, bias, ym, N, g * Q4G); break;
-            case 7: q4p_tile(xm, K, wg, 7, bias, ym, N, g * Q4G); break;
-            case 6: q4p_tile(xm, K, wg, 6, bias, ym, N, g * Q4G); break;
-            case 5: q4p_tile(xm, K, wg, 5, bias, ym, N, g * Q4G); break;
-            case 4: q4p_tile(xm, K, wg, 4, bias, ym, N, g * Q4G); break;
-            case 3: q4p_tile(xm, K, wg, 3, bias, ym, N, g * Q4G); break;
-            case 2: q4p_tile(xm, K, wg, 2, bias, ym, N, g * Q4G); break;
-            default: q4p_tile(xm, K, wg, 1, bias, ym, N, g * Q4G); break;
+            for (int64_t g = groups * t / num_threads; g < g1;) {
+                const int ng = g1 - g < most ? (int)(g1 - g) : most;
+                switch (ng * 16 + mr) {
+                Q4P_CASE(4, 1) Q4P_CASE(4, 2) Q4P_CASE(3, 1) Q4P_CASE(3, 2)
+                Q4P_CASE(2, 1) Q4P_CASE(2, 2) Q4P_CASE(2, 3) Q4P_CASE(2, 4)
+                Q4P_CASE(1, 1) Q4P_CASE(1, 2) Q4P_CASE(1, 3) Q4P_CASE(1, 4)
+                Q4P_CASE(1, 5) Q4P_CASE(1, 6) Q4P_CASE(1, 7) Q4P_CASE(1, 8)
+                }
+                g += ng;
             }
         }
+    }
 }
+#undef Q4P_CASE
 
 /* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight. */
 typedef struct {

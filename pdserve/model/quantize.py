@@ -66,9 +66,8 @@ def resolve_quantization(mode: str, folder: Path | None, dtype: torch.dtype, dev
         return "none"
     if dtype == torch.float32:
         return "gguf"
-    from pdserve.kernels.cpu import gemm
-
-    return "gguf" if dtype == torch.bfloat16 and gemm.hybrid_available() else "none"
+    hybrid = getattr(kernels.get_backend(device), "hybrid_available", None)  # the CPU backend's
+    return "gguf" if dtype == torch.bfloat16 and hybrid is not None and hybrid() else "none"
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = None) -> str:
@@ -108,10 +107,6 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
                     f"{names}: quantized shape {qw.shape}, expected {tuple(weight.shape)}"
                 )
             _replace(linear, qw)
-            if q4_1_only:  # its bf16 copy and repacked blocks made now, not at the first step
-                from pdserve.kernels.cpu import gemm
-
-                gemm.hybrid_weight(qw)
             if linear is model.lm_head and tied:
                 model.embed_tokens = QuantizedEmbedding(qw, model.ops, dtype)
     return mode

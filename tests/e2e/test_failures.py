@@ -135,7 +135,9 @@ def test_prompts_queued_longer_than_the_kv_timeout_are_prefilled_once(fresh):
     c = fresh("--kv-timeout", "0.5", "--max-attempts", "1")
     c.start_worker("prefill", "prefill")
     c.start_worker("decode", "decode")
-    body = " ".join(["river stone light music engine garden"] * 70)  # ~430 tokens
+    # ~1,230 tokens each: the last prompt waits behind ~2,500 prompt tokens, past the 0.5 s
+    # timeout even on one AVX512-BF16 core (~1,700 tokens/s; ~430-token prompts did not)
+    body = " ".join(["river stone light music engine garden"] * 200)
     prompts = [f"{word} {body}" for word in ("alpha", "bravo", "charlie")]  # no shared prefix
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     with Client(c.gateway, timeout=120) as client, ThreadPoolExecutor(3) as pool:

@@ -24,11 +24,12 @@ def _dense_bf16(qw: Q.QuantizedWeight) -> torch.Tensor:
 
 
 @needs_packing
-@pytest.mark.parametrize("n,k", [(301, 576), (960, 576), (64, 1536), (7, 32)])
+@pytest.mark.parametrize("n,k", [(301, 576), (960, 576), (224, 576), (64, 1536), (7, 32)])
 def test_every_row_count_gives_the_dense_bf16_kernels_bits(n, k):
-    """Row counts on both sides of HYBRID_Q4_MAX_ROWS, partial passes of the 4-bit kernel, N not
-    a multiple of its 16 outputs, with and without bias: the same bits as the packed kernel on
-    the dequantized weight rounded to bf16 (the same vdpbf16ps chain per output)."""
+    """Row counts on both sides of HYBRID_Q4_MAX_ROWS, partial passes of the 4-bit kernel, 1 to 4
+    groups of 16 outputs side by side (19, 60, 14, 4 or 1 groups split between threads), N not a
+    multiple of 16, with and without bias: the same bits as the packed kernel on the dequantized
+    weight rounded to bf16 (the same vdpbf16ps chain per output)."""
     qw = Q.quantize(make_weight(n, k, seed=5), "q4_1")
     assert gemm.hybrid_weight(qw) is not None
     dense = _dense_bf16(qw)
