@@ -29,6 +29,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -91,8 +92,10 @@ def free_port() -> int:
 
 
 def run_openai_server(cmd: list[str], port: int, requests: int, users: int, args, env=None) -> dict:
-    """Start an OpenAI-compatible peer, wait until its /health says 200, run the load, stop it."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    """Start an OpenAI-compatible peer, wait until its /health says 200, run the load, stop it.
+    Its output goes to a temporary file, whose end is shown if it does not start."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600  # vLLM compiles its model at every start (~1 min)
         while True:  # the peers answer /health with 503 (or not at all) while they load
@@ -103,13 +106,16 @@ def run_openai_server(cmd: list[str], port: int, requests: int, users: int, args
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start: {shlex.join(cmd)}")
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-3000:]
+                raise SystemExit(f"the server did not start: {shlex.join(cmd)}\n{tail}")
             time.sleep(0.2)  # polling a process we do not control; not synchronisation in a test
         url = f"http://127.0.0.1:{port}/v1/completions"
         return measure("openai_load.py", url, [proc], requests, users, args)
     finally:
         proc.terminate()
         proc.wait(60)
+        log.close()
 
 
 def run_llama_server(binary: str, requests: int, users: int, args) -> dict:
