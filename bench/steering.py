@@ -95,7 +95,10 @@ def run_openai_server(cmd: list[str], port: int, requests: int, users: int, args
     """Start an OpenAI-compatible peer, wait until its /health says 200, run the load, stop it.
     Its output goes to a temporary file, whose end is shown if it does not start."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # not from the repository: its top-level kernels/ would shadow the `kernels` package that
+    # transformers (in vLLM's venv) looks for
+    cwd = tempfile.gettempdir()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         deadline = time.monotonic() + 600  # vLLM compiles its model at every start (~1 min)
         while True:  # the peers answer /health with 503 (or not at all) while they load
