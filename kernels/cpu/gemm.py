@@ -83,12 +83,13 @@ class _Packing:
         self.linear = lib.pdserve_linear_packed
         self.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
         self.linear.restype = None
-        self.q4p_bytes = lib.pdserve_q4p_bytes
-        self.q4p_bytes.argtypes = [ctypes.c_int64] * 2
-        self.q4p_bytes.restype = ctypes.c_int64
-        self.pack_q4_1 = lib.pdserve_pack_q4_1
-        self.pack_q4_1.argtypes = self.pack.argtypes
-        self.pack_q4_1.restype = None
+        self.qp_bytes = lib.pdserve_qp_bytes
+        self.qp_bytes.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int32]
+        self.qp_bytes.restype = ctypes.c_int64
+        self.pack_blocks = {quant.Q4_1: lib.pdserve_pack_q4_1, quant.Q8_0: lib.pdserve_pack_q8_0}
+        for fn in self.pack_blocks.values():
+            fn.argtypes = self.pack.argtypes
+            fn.restype = None
         self.hybrid = lib.pdserve_linear_hybrid
         self.hybrid.argtypes = self.linear.argtypes
         self.hybrid.restype = None
@@ -124,30 +125,31 @@ def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
 
 
 class HybridWeight(ctypes.Structure):
-    """linear.c's HybridWeight: a Q4_1 weight as ``pdserve_linear_hybrid`` multiplies it."""
+    """linear.c's HybridWeight: a Q4_1 or Q8_0 weight as ``pdserve_linear_hybrid`` takes it."""
 
     _fields_ = [
         ("packed", ctypes.c_void_p),
-        ("q4p", ctypes.c_void_p),
-        ("q4_max_rows", ctypes.c_int64),
+        ("qp", ctypes.c_void_p),
+        ("qp_max_rows", ctypes.c_int64),
+        ("qt", ctypes.c_int64),
     ]
 
 
-# Most rows of x for which a Q4_1 weight is multiplied from its 4-bit blocks (pdserve_linear_q4p);
+# Most rows of x for which a Q4_1 or Q8_0 weight is multiplied from its blocks (pdserve_linear_qp);
 # more go to its packed bf16 copy. Same outputs either way (packed_q4.h), so only speed decides.
-HYBRID_Q4_MAX_ROWS = 8
+HYBRID_MAX_ROWS = 8
 # id(weight) -> (weakref to it, its HybridWeight, the tensors the HybridWeight points into)
 _hybrids: dict[int, tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]]] = {}
 
 
 def hybrid_available() -> bool:
-    """Whether a bf16 model's Q4_1 weights run as ``hybrid_weight``s here (AVX512-BF16)."""
+    """Whether a bf16 model's Q4_1 and Q8_0 weights run as ``hybrid_weight``s (AVX512-BF16)."""
     return _packing() is not None
 
 
 def hybrid_weight(weight) -> HybridWeight | None:
-    """For a Q4_1 ``QuantizedWeight`` where the CPU multiplies bf16 natively: its 4-bit blocks
-    repacked for ``pdserve_linear_q4p`` and a packed bf16 copy of its dequantized values, made on
+    """For a Q4_1 or Q8_0 ``QuantizedWeight`` where the CPU multiplies bf16 natively: its blocks
+    repacked for ``pdserve_linear_qp`` and a packed bf16 copy of its dequantized values, made on
     first use, dropped with the weight; else None. The bf16 model then reads 4-bit weights in
     small decode steps and runs prefill at the packed kernel's speed, with the outputs of a
     dense bf16 copy of the same weights in both."""
@@ -158,7 +160,7 @@ def hybrid_weight(weight) -> HybridWeight | None:
     if (
         packing is None
         or not isinstance(weight, quant.QuantizedWeight)
-        or weight.qtype != quant.Q4_1
+        or weight.qtype not in packing.pack_blocks
     ):
         return None
     n, k = weight.shape
@@ -169,21 +171,20 @@ def hybrid_weight(weight) -> HybridWeight | None:
     packed = memory.empty(packing.words(n, k), torch.int32)
     packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
     del dense
-    q4p = memory.empty(packing.q4p_bytes(n, k), torch.uint8)
-    packing.pack_q4_1(weight.data.data_ptr(), n, k, q4p.data_ptr(), threads)
-    desc = HybridWeight(packed.data_ptr(), q4p.data_ptr(), HYBRID_Q4_MAX_ROWS)
+    qp = memory.empty(packing.qp_bytes(n, k, weight.qtype), torch.uint8)
+    packing.pack_blocks[weight.qtype](weight.data.data_ptr(), n, k, qp.data_ptr(), threads)
+    desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), HYBRID_MAX_ROWS, weight.qtype)
     key = id(weight)
     ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))
-    _hybrids[key] = (ref, desc, (packed, q4p))
+    _hybrids[key] = (ref, desc, (packed, qp))
     return desc
 
 
 def prepack_linear(weight: torch.Tensor | quant.QuantizedWeight) -> None:
     """Pack a projection's weight now (the model loader calls this), not at its first use; a
-    Q4_1 weight of a bf16 model (which ``hybrid_weight`` takes) too."""
+    Q4_1 or Q8_0 weight of a bf16 model (which ``hybrid_weight`` takes) too."""
     if isinstance(weight, quant.QuantizedWeight):
-        if weight.qtype == quant.Q4_1:
-            hybrid_weight(weight)
+        hybrid_weight(weight)
         return
     packing = _packing()
     if (

@@ -22,13 +22,50 @@
  * outputs 0-7 of the group at k and k + 1 interleaved (low nibbles) and of outputs 8-15 (high);
  * their fp32 values q d + m (exact: q d is) rounded by vcvtne2ps2bf16 are then the dwords
  * (w[n][k], w[n][k + 1]) for n = 16 g .. 16 g + 15 in order: the packed kernel's register.
+ *
+ * Q8_0 (the default GGUF's tied embedding and lm_head) the same way, 34 bytes per 32 weights:
+ * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_q8_0);
+ * q d is exact in fp32 too.
  */
 #define Q4G 16           /* outputs per group */
-#define Q4GB 320         /* bytes per group and block of 32 k */
+#define Q4GB 320         /* bytes per group and block of 32 k: Q4_1 */
+#define Q8GB 544         /* Q8_0: d, then 16 pairs of 32 int8 (outputs 0-7's pair, 8-15's) */
+#define QP_Q4_1 3        /* GGML's type ids, as kernels/quantized.py */
+#define QP_Q8_0 8
 #define Q4MR 8           /* rows of x per pass over the weights */
 #define Q4NG 4           /* groups side by side, at most */
 
-int64_t pdserve_q4p_bytes(int64_t N, int64_t K) { return (N + Q4G - 1) / Q4G * (K / 32) * Q4GB; }
+int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
+    return (N + Q4G - 1) / Q4G * (K / 32) * (qt == QP_Q8_0 ? Q8GB : Q4GB);
+}
+
+/* Q8_0 blocks (fp16 d, 32 int8) [N, K/32] into the Q8_0 layout: per group and block of 32 k,
+ * d of the 16 outputs (fp16), then for each pair p 32 bytes: byte i < 16 = q[16 g + i / 2][2 p +
+ * i % 2], byte 16 + i = q[16 g + 8 + i / 2][2 p + i % 2] (q d is exact in fp32 too). */
+void pdserve_pack_q8_0(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
+                       int32_t num_threads) {
+    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint8_t *o = out + (g * kbs + kb) * Q8GB;
+            memset(o, 0, Q8GB);
+            int8_t q[Q4G][32];
+            memset(q, 0, sizeof q);
+            for (int j = 0; j < Q4G; j++) {
+                const int64_t n = g * Q4G + j;
+                if (n >= N) continue;
+                const uint8_t *b = blocks + (n * kbs + kb) * 34;
+                memcpy(o + 2 * j, b, 2); /* d */
+                memcpy(q[j], b + 2, 32);
+            }
+            for (int p = 0; p < 16; p++)
+                for (int i = 0; i < 16; i++) {
+                    o[32 + 32 * p + i] = (uint8_t)q[i / 2][2 * p + i % 2];
+                    o[32 + 32 * p + 16 + i] = (uint8_t)q[8 + i / 2][2 * p + i % 2];
+                }
+        }
+}
 
 /* Q4_1 blocks (GGUF's: fp16 d, fp16 m, 16 bytes: value j low nibble, value j + 16 high) [N, K/32]
  * into the layout above; outputs past N get d = m = 0. K must be a multiple of 32. */
@@ -63,35 +100,44 @@ void pdserve_pack_q4_1(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out
  * one chain is bound by the instruction's latency, not by the bytes), y[r][16 (g + j) + i], masked
  * past N. Each output's chain is the same whatever ng and mr are. */
 static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, int64_t K,
-                                                           const uint8_t *w, int64_t g, int ng,
-                                                           int mr, const uint16_t *bias,
+                                                           const uint8_t *w, int qt, int64_t g,
+                                                           int ng, int mr, const uint16_t *bias,
                                                            uint16_t *y, int64_t N) {
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    const int64_t kbs = K / 32, group_bytes = kbs * Q4GB;
+    const int64_t gb = qt == QP_Q8_0 ? Q8GB : Q4GB, kbs = K / 32, group_bytes = kbs * gb;
     __m512 acc[Q4NG][Q4MR];
     UNROLL for (int j = 0; j < Q4NG; j++)
         UNROLL for (int r = 0; r < Q4MR; r++) acc[j][r] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
         const uint8_t *b[Q4NG];
-        __m512 dlo[Q4NG], dhi[Q4NG], mlo[Q4NG], mhi[Q4NG];
+        __m512 dlo[Q4NG], dhi[Q4NG], mlo[Q4NG], mhi[Q4NG]; /* m: Q4_1 only */
         UNROLL for (int j = 0; j < Q4NG; j++) {
             if (j >= ng) break;
-            b[j] = w + (g + j) * group_bytes + kb * Q4GB;
-            UNROLL for (int c = 0; c < Q4GB; c += 64) _mm_prefetch((const char *)b[j] + 4 * Q4GB + c, _MM_HINT_T0);
+            b[j] = w + (g + j) * group_bytes + kb * gb;
+            for (int c = 0; c < gb; c += 64) _mm_prefetch((const char *)b[j] + 4 * gb + c, _MM_HINT_T0);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b[j]));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[j] + 32)));
             dlo[j] = _mm512_permutexvar_ps(lo_idx, d), dhi[j] = _mm512_permutexvar_ps(hi_idx, d);
-            mlo[j] = _mm512_permutexvar_ps(lo_idx, m), mhi[j] = _mm512_permutexvar_ps(hi_idx, m);
+            if (qt == QP_Q4_1) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b[j] + 32)));
+                mlo[j] = _mm512_permutexvar_ps(lo_idx, m), mhi[j] = _mm512_permutexvar_ps(hi_idx, m);
+            }
         }
         UNROLL for (int p = 0; p < 16; p++) {
             const int64_t k = kb * 32 + 2 * p;
             UNROLL for (int j = 0; j < Q4NG; j++) {
                 if (j >= ng) break;
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[j] + 64 + 16 * p)));
-                const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo[j], mlo[j]);
-                const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi[j], mhi[j]);
+                __m512 lo, hi;
+                if (qt == QP_Q4_1) {
+                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[j] + 64 + 16 * p)));
+                    lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo[j], mlo[j]);
+                    hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi[j], mhi[j]);
+                } else {
+                    const uint8_t *qb = b[j] + 32 + 32 * p;
+                    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), dlo[j]);
+                    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)))), dhi[j]);
+                }
                 const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
                 UNROLL for (int r = 0; r < Q4MR; r++) {
                     if (r >= mr) break;
@@ -119,11 +165,19 @@ static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, in
 }
 
 /* One instance per (groups side by side, rows): both constant, so the chains stay in registers. */
-#define Q4P_CASE(NG, MR) case NG * 16 + MR: q4p_tile(xm, K, w, g, NG, MR, bias, ym, N); break;
+#define QP_CASE(QT, NG, MR) case NG * 16 + MR: q4p_tile(xm, K, w, QT, g, NG, MR, bias, ym, N); break;
+#define QP_CASES(QT)                                                                               \
+    switch (ng * 16 + mr) {                                                                        \
+        QP_CASE(QT, 4, 1) QP_CASE(QT, 4, 2) QP_CASE(QT, 3, 1) QP_CASE(QT, 3, 2)                    \
+        QP_CASE(QT, 2, 1) QP_CASE(QT, 2, 2) QP_CASE(QT, 2, 3) QP_CASE(QT, 2, 4)                    \
+        QP_CASE(QT, 1, 1) QP_CASE(QT, 1, 2) QP_CASE(QT, 1, 3) QP_CASE(QT, 1, 4)                    \
+        QP_CASE(QT, 1, 5) QP_CASE(QT, 1, 6) QP_CASE(QT, 1, 7) QP_CASE(QT, 1, 8)                    \
+    }
 
-/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_q4_1; x, y, bias bf16. */
-void pdserve_linear_q4p(const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y,
-                        int64_t M, int64_t N, int64_t K, int32_t num_threads) {
+/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_q4_1 (qt 3) or pdserve_pack_q8_0
+ * (qt 8); x, y, bias bf16. */
+void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const uint16_t *bias,
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     if (M <= 0 || N <= 0) return;
     const int64_t groups = (N + Q4G - 1) / Q4G;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
@@ -139,31 +193,31 @@ void pdserve_linear_q4p(const uint16_t *x, const uint8_t *w, const uint16_t *bia
             uint16_t *ym = y + m * N;
             for (int64_t g = groups * t / num_threads; g < g1;) {
                 const int ng = g1 - g < most ? (int)(g1 - g) : most;
-                switch (ng * 16 + mr) {
-                Q4P_CASE(4, 1) Q4P_CASE(4, 2) Q4P_CASE(3, 1) Q4P_CASE(3, 2)
-                Q4P_CASE(2, 1) Q4P_CASE(2, 2) Q4P_CASE(2, 3) Q4P_CASE(2, 4)
-                Q4P_CASE(1, 1) Q4P_CASE(1, 2) Q4P_CASE(1, 3) Q4P_CASE(1, 4)
-                Q4P_CASE(1, 5) Q4P_CASE(1, 6) Q4P_CASE(1, 7) Q4P_CASE(1, 8)
-                }
+                if (qt == QP_Q8_0)
+                    QP_CASES(QP_Q8_0)
+                else
+                    QP_CASES(QP_Q4_1)
                 g += ng;
             }
         }
     }
 }
-#undef Q4P_CASE
+#undef QP_CASES
+#undef QP_CASE
 
 /* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight. */
 typedef struct {
     const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
-    const uint8_t *q4p;     /* pdserve_pack_q4_1's of the same weight, or NULL (not Q4_1) */
-    int64_t q4_max_rows;    /* q4p for at most this many rows of x, packed for more */
+    const uint8_t *qp;      /* pdserve_pack_q4_1's or _q8_0's of the same weight, or NULL */
+    int64_t qp_max_rows;    /* qp for at most this many rows of x, packed for more */
+    int64_t qt;             /* qp's format: QP_Q4_1 or QP_Q8_0 */
 } HybridWeight;
 
 void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     const HybridWeight *h = (const HybridWeight *)weight;
-    if (h->q4p && M <= h->q4_max_rows)
-        pdserve_linear_q4p(x, h->q4p, bias, y, M, N, K, num_threads);
+    if (h->qp && M <= h->qp_max_rows)
+        pdserve_linear_qp(x, h->qp, (int32_t)h->qt, bias, y, M, N, K, num_threads);
     else
         pdserve_linear_packed(x, h->packed, bias, y, M, N, K, num_threads);
 }

@@ -35,7 +35,7 @@ ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
 QLINEAR_MAX_ROWS = 64
 TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
 WHOLE_BYTES = 16 << 20  # prefill dequantizes a weight whole up to this many fp32 bytes
-Q4_1 = QTYPES["q4_1"]
+Q4_1, Q8_0 = QTYPES["q4_1"], QTYPES["q8_0"]
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 

@@ -12,11 +12,12 @@ takes in place of a dense weight:
   the CPU, else ``none`` (``resolve_quantization``). With fp32 weights (no native bf16) every
   GGUF block the kernels read is used: on a 2-core AVX2 Zen 3 the default model's own Q4_1
   blocks decode one stream 3x faster than fp32 and batch 32 as fast. With bf16 weights (AVX512-
-  BF16) only the Q4_1 projections are: a Q4_1 weight is then multiplied from its blocks for up
-  to ``gemm.HYBRID_Q4_MAX_ROWS`` rows of x and from a packed bf16 copy for more, with the
-  outputs of that bf16 copy either way (``kernels/cpu/packed_q4.h``), so the model computes
-  exactly what the dense bf16 model of the converted folder computes, only reading 4-bit
-  projections in small decode steps. Without native bf16 packing a bf16 model stays dense.
+  BF16) only the Q4_1 and Q8_0 weights are (the default model: every projection Q4_1, the tied
+  embedding and lm_head Q8_0): each is then multiplied from its blocks for up to
+  ``gemm.HYBRID_MAX_ROWS`` rows of x and from a packed bf16 copy for more, with the outputs of
+  that bf16 copy either way (``kernels/cpu/packed_q4.h``), so the model computes exactly what
+  the dense bf16 model of the converted folder computes, only reading 4- and 8-bit blocks in
+  small decode steps. Without native bf16 packing a bf16 model stays dense.
 
 Tied embeddings are quantized with the lm_head (one copy), and the embedding lookup dequantizes
 the rows it needs (``QuantizedEmbedding``); an untied embedding stays dense (only looked up).
@@ -74,8 +75,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
     """Replace ``model``'s projection weights by quantized ones (``mode``: see the module);
     returns the mode applied ("auto" resolved)."""
     dtype = model.norm.weight.dtype
-    # auto on a bf16 model: its Q4_1 projections only (the hybrid); the outputs stay the dense's
-    q4_1_only = mode == "auto" and dtype == torch.bfloat16
+    # auto on a bf16 model: its Q4_1 and Q8_0 weights only (the hybrid); outputs stay the dense's
+    hybrid_only = mode == "auto" and dtype == torch.bfloat16
     mode = resolve_quantization(mode, folder, dtype, model.norm.weight.device)
     if mode == "none":
         return mode
@@ -98,7 +99,7 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
                     continue  # a GGUF type we do not read: stays dense
                 parts = [source[n] for n in names]
                 qw = parts[0] if len(parts) == 1 else kernels.concat(parts)
-                if q4_1_only and qw.qtype != kernels.QTYPES["q4_1"]:
+                if hybrid_only and qw.name not in ("q4_1", "q8_0"):
                     continue  # stays dense: packed bf16 at every row count
             else:
                 qw = kernels.quantize(weight, mode)

@@ -218,21 +218,23 @@ def test_auto_quantization_takes_the_gguf_blocks_on_the_cpu(tmp_path):
     assert resolve_quantization("int8", bare, torch.bfloat16, "cpu") == "int8"  # asked for
 
 
-@pytest.mark.skipif(not gemm.hybrid_available(), reason="the Q4_1 hybrid needs AVX512-BF16")
-def test_bf16_auto_runs_the_q4_1_blocks_and_computes_the_dense_bf16_model():
-    """``auto`` on a bf16 model takes the GGUF's Q4_1 projections only (4-bit reads for few rows,
-    the packed bf16 copy for more) and gives the dense bf16 model's greedy tokens and logprobs,
-    bit for bit, whether a prompt decodes alone (the 4-bit kernel) or among 16 (the copy)."""
+@pytest.mark.skipif(not gemm.hybrid_available(), reason="the hybrid needs AVX512-BF16")
+def test_bf16_auto_runs_the_gguf_blocks_and_computes_the_dense_bf16_model():
+    """``auto`` on a bf16 model takes the GGUF's Q4_1 projections and Q8_0 lm_head (blocks read for
+    few rows, the packed bf16 copy for more) and gives the dense bf16 model's greedy tokens and
+    logprobs, bit for bit, whether a prompt decodes alone (the block kernel) or among 16 (the
+    copy); the tied embedding, looked up in the Q8_0 blocks, gives the dense rows too."""
     llm = make_llm("auto", dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.quantization == "gguf"
     quantized = [
         lin.weight for _, lin in projections(llm) if not isinstance(lin.weight, torch.Tensor)
     ]
-    assert len(quantized) == 4 * len(model.layers)  # every layer's; the lm_head stays dense
+    assert len(quantized) == 4 * len(model.layers) + 1  # every layer's and the lm_head
+    assert {w.name for w in quantized} == {"q4_1", "q8_0"}
     assert all(gemm.hybrid_weight(w) is not None for w in quantized)
     prompts = [llm.chat_prompt(q) for q in QUESTIONS] * 2
-    assert len(prompts) > gemm.HYBRID_Q4_MAX_ROWS
+    assert len(prompts) > gemm.HYBRID_MAX_ROWS
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     want = make_llm("none", dtype="bfloat16").generate(prompts, params)
     alone = [llm.generate([p], params)[0] for p in prompts[: len(QUESTIONS)]]

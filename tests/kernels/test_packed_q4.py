@@ -1,6 +1,7 @@
-"""Q4_1 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``): multiplied from
-their 4-bit blocks for few rows of x and from a packed bf16 copy for more, with bit-identical
-outputs either way, equal to the packed kernel on the bf16 rounding of the dequantized weight."""
+"""Q4_1 and Q8_0 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``):
+multiplied from their blocks for few rows of x and from a packed bf16 copy for more, with
+bit-identical outputs either way, equal to the packed kernel on the bf16 rounding of the
+dequantized weight."""
 
 from __future__ import annotations
 
@@ -24,18 +25,19 @@ def _dense_bf16(qw: Q.QuantizedWeight) -> torch.Tensor:
 
 
 @needs_packing
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(301, 576), (960, 576), (224, 576), (64, 1536), (7, 32)])
-def test_every_row_count_gives_the_dense_bf16_kernels_bits(n, k):
-    """Row counts on both sides of HYBRID_Q4_MAX_ROWS, partial passes of the 4-bit kernel, 1 to 4
+def test_every_row_count_gives_the_dense_bf16_kernels_bits(name, n, k):
+    """Row counts on both sides of HYBRID_MAX_ROWS, partial passes of the 4-bit kernel, 1 to 4
     groups of 16 outputs side by side (19, 60, 14, 4 or 1 groups split between threads), N not a
     multiple of 16, with and without bias: the same bits as the packed kernel on the dequantized
     weight rounded to bf16 (the same vdpbf16ps chain per output)."""
-    qw = Q.quantize(make_weight(n, k, seed=5), "q4_1")
+    qw = Q.quantize(make_weight(n, k, seed=5), name)
     assert gemm.hybrid_weight(qw) is not None
     dense = _dense_bf16(qw)
     g = torch.Generator().manual_seed(6)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    rows = [*range(1, gemm.HYBRID_Q4_MAX_ROWS + 3), 17, 100]
+    rows = [*range(1, gemm.HYBRID_MAX_ROWS + 3), 17, 100]
     for m in rows:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         for b in (None, bias):
@@ -73,9 +75,9 @@ def test_thread_count_does_not_change_the_bits():
 
 @needs_packing
 def test_other_formats_and_fp32_x_keep_the_quantized_kernels():
-    """Only Q4_1 gets the bf16 copy (a Q8_0 or int8 weight was chosen to save memory); fp32 x
-    is multiplied with the exact 4-bit values as before."""
-    for name in ("q8_0", "q4_0", "int8"):
+    """Only Q4_1 and Q8_0 get the bf16 copy (the default GGUF's formats; a Q4_0 or int8 weight
+    keeps quant.c); fp32 x is multiplied with the exact 4-bit values as before."""
+    for name in ("q4_0", "int8"):
         assert gemm.hybrid_weight(Q.quantize(make_weight(64, 96, seed=11), name)) is None
     qw = Q.quantize(make_weight(64, 96, seed=12), "q4_1")
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(13))
