@@ -46,7 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="none")
+    p.add_argument("--quantization", default="auto")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", default="default,passive", help=", ".join(VARIANTS))
     p.add_argument("--json", default=None)
