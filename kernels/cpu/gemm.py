@@ -86,10 +86,10 @@ class _Packing:
         self.qp_bytes = lib.pdserve_qp_bytes
         self.qp_bytes.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int32]
         self.qp_bytes.restype = ctypes.c_int64
-        self.pack_blocks = {quant.Q4_1: lib.pdserve_pack_q4_1, quant.Q8_0: lib.pdserve_pack_q8_0}
-        for fn in self.pack_blocks.values():
-            fn.argtypes = self.pack.argtypes
-            fn.restype = None
+        self.pack_blocks = lib.pdserve_pack_blocks
+        self.pack_blocks.argtypes = self.pack.argtypes[:4] + [ctypes.c_int32] * 2
+        self.pack_blocks.restype = None
+        self.block_formats = (quant.Q4_1, quant.Q8_0)
         self.hybrid = lib.pdserve_linear_hybrid
         self.hybrid.argtypes = self.linear.argtypes
         self.hybrid.restype = None
@@ -160,7 +160,7 @@ def hybrid_weight(weight) -> HybridWeight | None:
     if (
         packing is None
         or not isinstance(weight, quant.QuantizedWeight)
-        or weight.qtype not in packing.pack_blocks
+        or weight.qtype not in packing.block_formats
     ):
         return None
     n, k = weight.shape
@@ -172,7 +172,7 @@ def hybrid_weight(weight) -> HybridWeight | None:
     packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
     del dense
     qp = memory.empty(packing.qp_bytes(n, k, weight.qtype), torch.uint8)
-    packing.pack_blocks[weight.qtype](weight.data.data_ptr(), n, k, qp.data_ptr(), threads)
+    packing.pack_blocks(weight.data.data_ptr(), n, k, qp.data_ptr(), weight.qtype, threads)
     desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), HYBRID_MAX_ROWS, weight.qtype)
     key = id(weight)
     ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))

@@ -11,7 +11,7 @@
  * results cannot depend on that choice, because every output is the same chain of vdpbf16ps
  * over the same bf16 pairs, k in order, from 0.
  *
- * Layout (pdserve_pack_q4_1), groups of 16 outputs g, then blocks of 32 k, 320 bytes each:
+ * Layout (pdserve_pack_blocks), groups of 16 outputs g, then blocks of 32 k, 320 bytes each:
  *
  *   [0, 32)     d of outputs 16 g .. 16 g + 15 (fp16, the Q4_1 block's scale)
  *   [32, 64)    m of the same (fp16, the block's minimum)
@@ -24,7 +24,7 @@
  * (w[n][k], w[n][k + 1]) for n = 16 g .. 16 g + 15 in order: the packed kernel's register.
  *
  * Q8_0 (the default GGUF's tied embedding and lm_head) the same way, 34 bytes per 32 weights:
- * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_q8_0);
+ * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_blocks);
  * q d is exact in fp32 too.
  */
 #define Q4G 16           /* outputs per group */
@@ -39,60 +39,45 @@ int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
     return (N + Q4G - 1) / Q4G * (K / 32) * (qt == QP_Q8_0 ? Q8GB : Q4GB);
 }
 
-/* Q8_0 blocks (fp16 d, 32 int8) [N, K/32] into the Q8_0 layout: per group and block of 32 k,
- * d of the 16 outputs (fp16), then for each pair p 32 bytes: byte i < 16 = q[16 g + i / 2][2 p +
- * i % 2], byte 16 + i = q[16 g + 8 + i / 2][2 p + i % 2] (q d is exact in fp32 too). */
-void pdserve_pack_q8_0(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
-                       int32_t num_threads) {
-    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G;
+/* GGUF blocks of format qt [N, K/32] into the layouts above (Q4_1: fp16 d, fp16 m, 16 bytes,
+ * value j low nibble, value j + 16 high; Q8_0: fp16 d, 32 int8). For Q8_0, after the 16 d, each
+ * pair p has 32 bytes: byte i < 16 = q[16 g + i / 2][2 p + i % 2], byte 16 + i = q[16 g + 8 +
+ * i / 2][2 p + i % 2]. Outputs past N get d = m = 0. K must be a multiple of 32. */
+void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out, int32_t qt,
+                         int32_t num_threads) {
+    const int q8 = qt == QP_Q8_0;
+    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G, gb = q8 ? Q8GB : Q4GB;
+    const int64_t block_bytes = q8 ? 34 : 20, head = q8 ? 32 : 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t kb = 0; kb < kbs; kb++) {
-            uint8_t *o = out + (g * kbs + kb) * Q8GB;
-            memset(o, 0, Q8GB);
-            int8_t q[Q4G][32];
+            uint8_t *o = out + (g * kbs + kb) * gb;
+            memset(o, 0, gb);
+            int8_t q[Q4G][32]; /* Q4_1: 0-15; Q8_0: as stored */
             memset(q, 0, sizeof q);
             for (int j = 0; j < Q4G; j++) {
                 const int64_t n = g * Q4G + j;
                 if (n >= N) continue;
-                const uint8_t *b = blocks + (n * kbs + kb) * 34;
+                const uint8_t *b = blocks + (n * kbs + kb) * block_bytes;
                 memcpy(o + 2 * j, b, 2); /* d */
-                memcpy(q[j], b + 2, 32);
+                if (q8) {
+                    memcpy(q[j], b + 2, 32);
+                    continue;
+                }
+                memcpy(o + 32 + 2 * j, b + 2, 2); /* m */
+                for (int v = 0; v < 16; v++) {
+                    q[j][v] = (int8_t)(b[4 + v] & 15);
+                    q[j][v + 16] = (int8_t)(b[4 + v] >> 4);
+                }
             }
             for (int p = 0; p < 16; p++)
                 for (int i = 0; i < 16; i++) {
-                    o[32 + 32 * p + i] = (uint8_t)q[i / 2][2 * p + i % 2];
-                    o[32 + 32 * p + 16 + i] = (uint8_t)q[8 + i / 2][2 * p + i % 2];
+                    const uint8_t lo = (uint8_t)q[i / 2][2 * p + i % 2], hi = (uint8_t)q[8 + i / 2][2 * p + i % 2];
+                    if (q8)
+                        o[head + 32 * p + i] = lo, o[head + 32 * p + 16 + i] = hi;
+                    else
+                        o[head + 16 * p + i] = (uint8_t)(lo | hi << 4);
                 }
-        }
-}
-
-/* Q4_1 blocks (GGUF's: fp16 d, fp16 m, 16 bytes: value j low nibble, value j + 16 high) [N, K/32]
- * into the layout above; outputs past N get d = m = 0. K must be a multiple of 32. */
-void pdserve_pack_q4_1(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
-                       int32_t num_threads) {
-    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t kb = 0; kb < kbs; kb++) {
-            uint8_t *o = out + (g * kbs + kb) * Q4GB;
-            memset(o, 0, Q4GB);
-            uint8_t q[Q4G][32];
-            memset(q, 0, sizeof q);
-            for (int j = 0; j < Q4G; j++) {
-                const int64_t n = g * Q4G + j;
-                if (n >= N) continue;
-                const uint8_t *b = blocks + (n * kbs + kb) * 20;
-                memcpy(o + 2 * j, b, 2);      /* d */
-                memcpy(o + 32 + 2 * j, b + 2, 2); /* m */
-                for (int v = 0; v < 16; v++) {
-                    q[j][v] = b[4 + v] & 15;
-                    q[j][v + 16] = b[4 + v] >> 4;
-                }
-            }
-            for (int p = 0; p < 16; p++)
-                for (int i = 0; i < 16; i++)
-                    o[64 + 16 * p + i] = (uint8_t)(q[i / 2][2 * p + i % 2] | q[8 + i / 2][2 * p + i % 2] << 4);
         }
 }
 
@@ -174,8 +159,8 @@ static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, in
         QP_CASE(QT, 1, 5) QP_CASE(QT, 1, 6) QP_CASE(QT, 1, 7) QP_CASE(QT, 1, 8)                    \
     }
 
-/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_q4_1 (qt 3) or pdserve_pack_q8_0
- * (qt 8); x, y, bias bf16. */
+/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_blocks (qt 3: Q4_1, 8: Q8_0);
+ * x, y, bias bf16. */
 void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     if (M <= 0 || N <= 0) return;
@@ -208,7 +193,7 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
 /* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight. */
 typedef struct {
     const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
-    const uint8_t *qp;      /* pdserve_pack_q4_1's or _q8_0's of the same weight, or NULL */
+    const uint8_t *qp;      /* pdserve_pack_blocks of the same weight, or NULL */
     int64_t qp_max_rows;    /* qp for at most this many rows of x, packed for more */
     int64_t qt;             /* qp's format: QP_Q4_1 or QP_Q8_0 */
 } HybridWeight;
