@@ -2,6 +2,9 @@
 
 - bf16 where the CPU has AVX512-BF16: any number of rows, on a packed copy of the weight (pairs
   of k interleaved per 64 outputs, made once per weight: ``_packed_weight``).
+- A Q4_1 or Q8_0 ``QuantizedWeight`` with bf16 x, there too: from its blocks for up to
+  ``HYBRID_MAX_ROWS`` rows, from a packed bf16 copy for more, the same bits either way
+  (``hybrid_weight``, ``packed_q4.h``); other quantized weights go to ``quant.linear``.
 - Otherwise at most ``LINEAR_MAX_ROWS[dtype]`` rows of x: each weight row streamed once for all
   rows of x (AVX2/FMA tiles, bf16 widened to fp32); more rows go to torch's F.linear.
 
@@ -232,7 +235,7 @@ def _linear_native_ok(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """See ``reference.linear``; which kernel takes which inputs: see the module's docstring.
-    A ``QuantizedWeight`` goes to ``quant.linear``."""
+    A ``QuantizedWeight`` goes to the hybrid (bf16 x, Q4_1/Q8_0, AVX512-BF16) or ``quant.linear``."""
     if isinstance(weight, quant.QuantizedWeight):
         if x.dtype == torch.bfloat16 and _hybrid_ok(x, weight, bias):
             hybrid = hybrid_weight(weight)

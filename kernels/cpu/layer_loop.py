@@ -13,8 +13,9 @@ function pointers: the logits are bit for bit the module path's (tests/engine/te
 Any step: its prefill tokens (prefill attention), then its decode tokens (decode attention);
 ``after_layer(i)`` (the prefill worker's KV shipping) is called back from C after each layer. It
 covers what those kernels cover natively: bf16 weights and KV pools on a CPU with AVX512-BF16
-(head_dim 64 or 128). The projections are all packed bf16 (``linear.c``) or all quantized
-(``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``). An fp32 model whose projections are all
+(head_dim 64 or 128). The projections are all packed bf16 (``linear.c``), all Q4_1/Q8_0 as
+``gemm.hybrid_weight``s (``pdserve_linear_hybrid``: the blocks or the packed copy by rows of x),
+or all quantized (``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``). An fp32 model whose projections are all
 quantized (the AVX2 machines' fast path: ``--quantization gguf`` or int8) runs its decode-only
 steps here on any CPU (``decode_only``: fp32 prefill attention is torch's, so steps with prefill
 tokens take the module path); at batch 1 on a 2-core Zen 3 the module path's Python and kernel
@@ -186,7 +187,7 @@ class LayerLoop:
         self.decode_only = self.dtype == torch.float32
         self.packing, self.fused, self.lib = packing, fused_lib, loop_lib
         self.quantized = quant_lib is not None  # every projection quantized (else none)
-        # a bf16 model of Q4_1 projections, multiplied as gemm.linear does (pdserve_linear_hybrid)
+        # a bf16 model of Q4_1/Q8_0 projections, multiplied as gemm.linear does (the hybrid)
         self.hybrid = (
             self.quantized
             and not self.decode_only
@@ -252,7 +253,7 @@ class LayerLoop:
                 ("gate_up", mlp.gate_up_proj),
                 ("down", mlp.down_proj),
             ):
-                if self.hybrid:  # the Q4_1 blocks and the packed bf16 copy, by rows of x
+                if self.hybrid:  # the blocks and the packed bf16 copy, picked by rows of x
                     desc = gemm.hybrid_weight(lin.weight)
                     keep.append((desc, lin.weight))
                     setattr(entry, f"{name}_w", ctypes.addressof(desc))
