@@ -101,7 +101,7 @@ def roofline_summary(rl: roofline.Roofline, steps: list[tuple[roofline.StepWork,
     return {
         "roofline_fraction": statistics.median(rl.fraction(w, dt) for w, dt in steps),
         "roofline_bytes": rl.bytes(mid),
-        "roofline_kv_bytes": rl.bytes(mid) - rl.cost.weight_bytes,
+        "roofline_kv_bytes": rl.kv_bytes(mid),
         "roofline_ms": 1e3 * rl.seconds(mid),
     }
 
@@ -372,7 +372,7 @@ def print_roofline(result: dict) -> None:
         if "roofline_fraction" in d:
             print(
                 f"decode batch {d['batch']:>3}: reads {d['roofline_bytes'] / 1e6:.1f} MB a step "
-                f"(weights {result['weight_bytes'] / 1e6:.1f} MB + KV "
+                f"(weights {(d['roofline_bytes'] - d['roofline_kv_bytes']) / 1e6:.1f} MB + KV "
                 f"{d['roofline_kv_bytes'] / 1e6:.1f} MB), roofline {d['roofline_ms']:.2f} ms; "
                 f"{d['roofline_fraction']:.0%} of the roofline (median step)"
             )

@@ -14,7 +14,7 @@ from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
-from pdserve.model.quantize import quantize_model, weight_bytes
+from pdserve.model.quantize import quantize_model, weight_bytes, weight_rows
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampler import sample
@@ -89,9 +89,15 @@ class ModelRunner:
             cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
         )
 
-    def weight_bytes(self) -> int:
-        """Bytes of the weights a decode step reads (each tensor once, quantized or dense)."""
-        return weight_bytes(self.model)
+    def weight_bytes(self, many_rows: bool = False) -> int:
+        """Bytes of the weights a decode step reads (each tensor once, quantized or dense); with
+        ``many_rows``, a step of more than ``weight_rows()`` tokens."""
+        return weight_bytes(self.model, many_rows)
+
+    def weight_rows(self) -> int:
+        """Most tokens a step may have and read the weights as ``weight_bytes()`` counts them;
+        0: any number (see ``roofline.ModelCost.many_rows``)."""
+        return weight_rows(self.model)
 
     def slot(self, seq: Sequence, position: int) -> int:
         return (

@@ -4,7 +4,13 @@ all with the reference's signatures; KV pools on huge pages (``memory.py``)."""
 
 from pdserve.kernels.cpu.block_copy import gather_kv_blocks, kv_block_writer
 from pdserve.kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
-from pdserve.kernels.cpu.gemm import hybrid_available, linear, linear_available, prepack_linear
+from pdserve.kernels.cpu.gemm import (
+    hybrid_available,
+    hybrid_rows,
+    linear,
+    linear_available,
+    prepack_linear,
+)
 from pdserve.kernels.cpu.layer_loop import compile_layer_loop
 from pdserve.kernels.cpu.memory import empty_pool
 from pdserve.kernels.cpu.ops import (
@@ -26,6 +32,7 @@ __all__ = [
     "gather_blocks",
     "gather_kv_blocks",
     "hybrid_available",
+    "hybrid_rows",
     "kv_block_writer",
     "linear",
     "linear_available",

@@ -150,6 +150,13 @@ def hybrid_available() -> bool:
     return _packing() is not None
 
 
+def hybrid_rows(weight) -> int:
+    """Most rows of x for which ``weight``'s blocks are read: ``HYBRID_MAX_ROWS`` for a weight
+    made a hybrid (a bf16 model's, at load), else 0 (read the same way at every row count)."""
+    entry = _hybrids.get(id(weight))
+    return HYBRID_MAX_ROWS if entry is not None and entry[0]() is weight else 0
+
+
 def hybrid_weight(weight) -> HybridWeight | None:
     """For a Q4_1 or Q8_0 ``QuantizedWeight`` where the CPU multiplies bf16 natively: its blocks
     repacked for ``pdserve_linear_qp`` and a packed bf16 copy of its dequantized values, made on

@@ -113,22 +113,39 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
     return mode
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
+def _block_rows(model: LlamaForCausalLM, weight) -> int:
+    """Most rows of x for which the backend reads ``weight``'s blocks (0: always)."""
+    rows = getattr(model.ops, "hybrid_rows", None)  # the CPU backend's, for a bf16 model
+    return rows(weight) if rows is not None else 0
+
+
+def weight_rows(model: LlamaForCausalLM) -> int:
+    """Most rows of x for which ``weight_bytes`` holds (0: any)."""
+    rows = [_block_rows(model, m.weight) for m in model.modules() if _quantized(m)]
+    return min((r for r in rows if r), default=0)
+
+
+def _quantized(module) -> bool:
+    return isinstance(getattr(module, "weight", None), kernels.QuantizedWeight)
+
+
+def weight_bytes(model: LlamaForCausalLM, many_rows: bool = False) -> int:
     """Bytes of the weights a step reads: every parameter and quantized weight once, less an
-    untied embedding table (only its looked-up rows are read)."""
+    untied embedding table (only its looked-up rows are read). With ``many_rows``: a step of
+    more rows than ``weight_rows`` says, where a bf16 model's blocks give way to their packed
+    bf16 copy (2 bytes a weight)."""
     seen: set[int] = set()
     total = 0
     skip = set() if model.config.tie_word_embeddings else {id(model.embed_tokens.weight)}
-    tensors = list(model.parameters()) + [
-        m.weight
-        for m in model.modules()
-        if isinstance(getattr(m, "weight", None), kernels.QuantizedWeight)
-    ]
+    tensors = list(model.parameters()) + [m.weight for m in model.modules() if _quantized(m)]
     for t in tensors:
         if id(t) in seen or id(t) in skip:
             continue
         seen.add(id(t))
-        total += (
-            t.nbytes if isinstance(t, kernels.QuantizedWeight) else t.numel() * t.element_size()
-        )
+        if not isinstance(t, kernels.QuantizedWeight):
+            total += t.numel() * t.element_size()
+        elif many_rows and _block_rows(model, t):
+            total += 2 * t.shape[0] * t.shape[1]
+        else:
+            total += t.nbytes
     return total

@@ -233,6 +233,14 @@ def test_bf16_auto_runs_the_gguf_blocks_and_computes_the_dense_bf16_model():
     assert len(quantized) == 4 * len(model.layers) + 1  # every layer's and the lm_head
     assert {w.name for w in quantized} == {"q4_1", "q8_0"}
     assert all(gemm.hybrid_weight(w) is not None for w in quantized)
+    # what a step reads: the blocks up to HYBRID_MAX_ROWS tokens, the packed bf16 copy beyond
+    runner = llm.engine.runner
+    assert runner.weight_rows() == gemm.HYBRID_MAX_ROWS
+    blocks, copies = (
+        sum(w.nbytes for w in quantized),
+        sum(2 * w.shape[0] * w.shape[1] for w in quantized),
+    )
+    assert runner.weight_bytes(many_rows=True) - runner.weight_bytes() == copies - blocks
     prompts = [llm.chat_prompt(q) for q in QUESTIONS] * 2
     assert len(prompts) > gemm.HYBRID_MAX_ROWS
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
