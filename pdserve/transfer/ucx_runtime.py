@@ -92,16 +92,15 @@ class UCXWorkerThread:
     # -- any thread ---------------------------------------------------------------------------
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
+        with self._lock:  # held while waking too: stop() closes the pipe under it
             if self._stopping:
                 raise RuntimeError("the UCX worker thread has stopped")
             self._calls.append((fn, args))
-            wake = self._sleeping
-        if wake:
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:  # the pipe is full of wake-ups already
-                pass
+            if self._sleeping:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # the pipe is full of wake-ups already
+                    pass
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
         """Run ``fn(*args)`` on the worker thread; return its result or raise its exception."""
@@ -136,8 +135,9 @@ class UCXWorkerThread:
             return  # the wake-up pipe stays open: closing it here could race a writer
         self._thread.join(timeout)
         if not self._thread.is_alive():
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._lock:  # no caller is between its _stopping check and its wake-up write
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     # -- worker thread ------------------------------------------------------------------------
 
