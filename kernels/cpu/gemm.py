@@ -150,11 +150,15 @@ def hybrid_available() -> bool:
     return _packing() is not None
 
 
+def _made_hybrid(weight) -> HybridWeight | None:
+    entry = _hybrids.get(id(weight))
+    return entry[1] if entry is not None and entry[0]() is weight else None
+
+
 def hybrid_rows(weight) -> int:
     """Most rows of x for which ``weight``'s blocks are read: ``HYBRID_MAX_ROWS`` for a weight
     made a hybrid (a bf16 model's, at load), else 0 (read the same way at every row count)."""
-    entry = _hybrids.get(id(weight))
-    return HYBRID_MAX_ROWS if entry is not None and entry[0]() is weight else 0
+    return HYBRID_MAX_ROWS if _made_hybrid(weight) is not None else 0
 
 
 def hybrid_weight(weight) -> HybridWeight | None:
@@ -163,9 +167,9 @@ def hybrid_weight(weight) -> HybridWeight | None:
     first use, dropped with the weight; else None. The bf16 model then reads 4-bit weights in
     small decode steps and runs prefill at the packed kernel's speed, with the outputs of a
     dense bf16 copy of the same weights in both."""
-    entry = _hybrids.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
+    made = _made_hybrid(weight)
+    if made is not None:
+        return made
     packing = _packing()
     if (
         packing is None
@@ -173,9 +177,7 @@ def hybrid_weight(weight) -> HybridWeight | None:
         or weight.qtype not in packing.block_formats
     ):
         return None
-    n, k = weight.shape
-    if k % 32 or not weight.data.is_contiguous():
-        return None
+    n, k = weight.shape  # K % 32 == 0 and contiguous blocks: QuantizedWeight holds to both
     threads = torch.get_num_threads()
     dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
     packed = memory.empty(packing.words(n, k), torch.int32)

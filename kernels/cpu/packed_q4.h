@@ -84,7 +84,7 @@ void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *o
 /* Rows 0 .. mr-1 of x against groups g .. g + ng - 1 (ng * mr <= 8 independent vdpbf16ps chains:
  * one chain is bound by the instruction's latency, not by the bytes), y[r][16 (g + j) + i], masked
  * past N. Each output's chain is the same whatever ng and mr are. */
-static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, int64_t K,
+static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int64_t K,
                                                            const uint8_t *w, int qt, int64_t g,
                                                            int ng, int mr, const uint16_t *bias,
                                                            uint16_t *y, int64_t N) {
@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void q4p_tile(const uint16_t *x, in
 }
 
 /* One instance per (groups side by side, rows): both constant, so the chains stay in registers. */
-#define QP_CASE(QT, NG, MR) case NG * 16 + MR: q4p_tile(xm, K, w, QT, g, NG, MR, bias, ym, N); break;
+#define QP_CASE(QT, NG, MR) case NG * 16 + MR: qp_tile(xm, K, w, QT, g, NG, MR, bias, ym, N); break;
 #define QP_CASES(QT)                                                                               \
     switch (ng * 16 + mr) {                                                                        \
         QP_CASE(QT, 4, 1) QP_CASE(QT, 4, 2) QP_CASE(QT, 3, 1) QP_CASE(QT, 3, 2)                    \
