@@ -158,21 +158,17 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    systems = [tuple(s.split("=", 1)) for s in args.pdserve]
+    # (name, how to run it: a server program or a pdserve spec, and the function that starts it)
+    systems = [(name, spec, run_pdserve) for name, spec in (s.split("=", 1) for s in args.pdserve)]
     if args.llama_server:
-        systems.append(("llama-server", None))
+        systems.append(("llama-server", args.llama_server, run_llama_server))
     if args.vllm:
-        systems.append(("vllm", None))
+        systems.append(("vllm", args.vllm, run_vllm))
     results: dict[str, dict[str, dict]] = {}
     for w in args.workloads.split(","):
         requests, users = WORKLOADS[w]
-        for name, spec in systems:
-            if name == "vllm":
-                r = run_vllm(args.vllm, requests, users, args)
-            elif spec is None:
-                r = run_llama_server(args.llama_server, requests, users, args)
-            else:
-                r = run_pdserve(spec, requests, users, args)
+        for name, what, run in systems:
+            r = run(what, requests, users, args)
             results.setdefault(name, {})[w] = r
             print(f"W-{w} {name}: {json.dumps(r)}", flush=True)
             if args.json:
