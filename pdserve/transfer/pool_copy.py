@@ -75,11 +75,19 @@ def layer_callback(destination: KVDestination) -> LayerCallback:
     """What the receiver calls for each message of a transfer into ``destination``."""
     if isinstance(destination, CallbackDestination):
         return destination.on_layer
-    backend = kernels.get_backend(destination.k_pools[0].device)
+    device = destination.k_pools[0].device
+    backend = kernels.get_backend(device)
     write = backend.kv_block_writer(destination.k_pools, destination.v_pools, destination.block_ids)
+    if device.type != "cuda":
+        return lambda header, k, v: write(header.layer, header.block_offset, k, v)
 
     def on_layer(header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> None:
+        # A message in host memory (a CPU sender's direct transfer, staged) is copied over first.
+        k, v = k.to(device), v.to(device)
         write(header.layer, header.block_offset, k, v)
+        # k and v are the transport's buffer, reused once this returns (UCX writes the next
+        # message into it on a stream of its own): the copies out of it must be done by then.
+        torch.cuda.current_stream(device).synchronize()
 
     return on_layer
 

@@ -51,9 +51,11 @@ Failures, each tried here with processes on loopback and SIGKILL:
     is gone when the kernel closes the sender's liveness connection (liveness.py) and settles
     the transfer a grace second later, instead of holding its blocks until ``fence_timeout_s``.
 
-Throughput and where the time goes: docs/benchmarks.md ("KV transfer"). Not run here (no GPU): CUDA tensors. CUDA buffers go to UCX through ``__cuda_array_interface__``
-(cuda_copy/cuda_ipc), the current stream is synchronised before a send, and the worker thread
-makes a CUDA context current first, as ucxx's progress thread does. Direct transfers are CPU only.
+Throughput and where the time goes: docs/benchmarks.md ("KV transfer", and "GPU" for the first
+run on an H100). CUDA buffers go to UCX through ``__cuda_array_interface__`` (cuda_copy/cuda_ipc),
+the current stream is synchronised before a send and after a landing (pool_copy.py: UCX writes
+the next message into the buffer on a stream of its own), and the worker thread makes a CUDA
+context current first, as ucxx's progress thread does. Direct transfers are CPU only.
 """
 
 from __future__ import annotations

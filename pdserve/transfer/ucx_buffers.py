@@ -47,6 +47,8 @@ class MessagePool:
         self._lock = threading.Lock()
 
     def take(self, num_blocks: int, device: torch.device) -> Message:
+        if device.type == "cuda" and device.index is None:  # as ``give`` files it: buf.device
+            device = torch.device("cuda", torch.cuda.current_device())
         with self._lock:
             free = self._free.get((num_blocks, device))
             if free:

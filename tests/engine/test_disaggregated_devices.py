@@ -38,7 +38,7 @@ def test_kv_over_ucx_between_devices_decodes_like_one_engine(tiny_model, src, ds
     ):
         assert (sending.device.type, receiving.device.type) == (src, dst)
         peer = sending.connect(receiving.address())
-        recvs, sends = {}, {}
+        recvs, sends, outgoing = {}, {}, {}
         for i, p in enumerate(PROMPTS):
             rid = str(i)
             landing = decode.reserve_request(p, params, rid)
@@ -52,11 +52,13 @@ def test_kv_over_ucx_between_devices_decodes_like_one_engine(tiny_model, src, ds
                 TIMEOUT_S,
                 dst_block_ids=landing.block_ids,
             )
-            prefill.add_prefill(p, params, rid, sends[rid])
+            outgoing[rid] = prefill.add_prefill(p, params, rid, sends[rid])
         first = {}
         while prefill.has_unfinished_requests():
             for o in prefill.step():
                 first[o.request_id] = o.new_token_ids[0]
+        # a send that failed is recorded for the prefill worker, which answers with it
+        assert {rid: out.error for rid, out in outgoing.items()} == dict.fromkeys(outgoing)
         got = {}
         for rid, recv in recvs.items():
             sends[rid].wait()

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from pdserve.transfer.header import KVLayout
 from pdserve.transfer.ucx import UCXTransport
 from tests.gpu import DEVICE_PAIRS
 from tests.transfer.peers import TIMEOUT, Pools, block_ids, default_layout
@@ -81,3 +82,36 @@ def test_receiver_in_another_process_lands_byte_exact(src: str, dst: str) -> Non
             assert nbytes == stats.nbytes
     finally:
         receiver.close()
+
+
+@pytest.mark.parametrize("src, dst", DEVICE_PAIRS)
+def test_small_messages_of_concurrent_transfers_land_byte_exact(src: str, dst: str) -> None:
+    """As a prefill engine ships a batch of short prompts of a small model: messages of ~2 KB
+    (UCX sends them eagerly, not by rendezvous), four transfers under way at once, each layer of
+    every prompt before the next layer, the last layers held until ``finish``."""
+    layout = KVLayout(
+        "tiny", torch.bfloat16, block_size=2, num_layers=2, num_kv_heads=1, head_dim=8
+    )
+    with UCXTransport(layout, device=src) as sender, UCXTransport(layout, device=dst) as receiver:
+        peer = sender.connect(receiver.address())
+        tids = [next(_ids) for _ in range(4)]
+        src_pools = Pools(layout, POOL_BLOCKS * len(tids), src)
+        sends, lands = [], []
+        for n, tid in enumerate(tids):
+            transfer, pools, dst_ids = expect(receiver, tid, seed=tid, device=dst)
+            src_ids = block_ids(POOL_BLOCKS, NUM_BLOCKS, seed=tid, run=True) + n * POOL_BLOCKS
+            src_pools.fill(src_ids, seed=tid)
+            tx = sender.start_send(peer, tid, NUM_BLOCKS, TIMEOUT, dst_block_ids=dst_ids.tolist())
+            sends.append((tx, src_ids.to(src)))
+            lands.append((transfer, pools, dst_ids))
+        for layer in range(layout.num_layers):
+            for tx, ids in sends:
+                tx.send_pool_layer(layer, src_pools.k[layer], src_pools.v[layer], ids)
+        for n, (tx, _) in enumerate(sends):
+            tx.finish(token_id=n)
+        for n, tid in enumerate(tids):
+            (tx, _), (transfer, pools, dst_ids) = sends[n], lands[n]
+            tx.wait()
+            transfer.wait()
+            assert transfer.token_id == n
+            assert pools.mismatches(dst_ids, seed=tid) == []
