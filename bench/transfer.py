@@ -125,6 +125,18 @@ def _receiver(
             conn.send((landed[0], stats.nbytes, time.process_time() - cpu))
 
 
+def _from_receiver(conn, proc, timeout: float = 60.0):  # noqa: ANN001, ANN202
+    """The receiver's next message; a clear error, not a hang, if it died (its traceback is on
+    stderr) or sends nothing for ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"the receiver process exited (code {proc.exitcode}); see above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the receiver sent nothing for {timeout:.0f} s")
+    return conn.recv()
+
+
 def run(
     dtype: str, mode: str, args: argparse.Namespace, src: str = "cpu", dst: str = "cpu"
 ) -> None:
@@ -150,10 +162,10 @@ def run(
     try:
         options = dict(ucx_options=args.ucx_options, max_segments=args.max_segments, device=src)
         with create_transport("ucx", layout, **options) as transport:
-            peer = transport.connect(parent.recv())
+            peer = transport.connect(_from_receiver(parent, proc))
             for rep in range(args.warmup + args.reps):
                 parent.send((rep, mode != "wire"))
-                _, dst_ids = parent.recv()
+                _, dst_ids = _from_receiver(parent, proc)
                 ids = _block_ids(pool, num_blocks, args.ids).to(src)  # where the engine has them
                 dst_ids = dst_ids if mode == "pool" else None
                 tx = transport.start_send(
@@ -177,7 +189,7 @@ def run(
                 posted = time.monotonic() - start
                 tx.wait()
                 cpu = time.process_time() - cpu
-                landed, nbytes, rx_cpu = parent.recv()
+                landed, nbytes, rx_cpu = _from_receiver(parent, proc)
                 if rep >= args.warmup:
                     seconds.append(landed - start)
                     cpu_tx.append(cpu)
@@ -332,10 +344,17 @@ def main() -> None:
     if args.serving:
         serving(args)
         return
+    failed = []
     for src, dst in args.devices:
         for dtype in args.dtype:
             for mode in args.mode:
-                run(dtype, mode, args, src, dst)
+                try:
+                    run(dtype, mode, args, src, dst)
+                except Exception as exc:  # noqa: BLE001 - the other pairs still run
+                    failed.append(f"{mode} {dtype} {_label(src)}->{_label(dst)}: {exc}")
+                    print(f"ucx {failed[-1]}: FAILED", flush=True)
+    if failed:
+        sys.exit(f"{len(failed)} failed: " + "; ".join(failed))
 
 
 if __name__ == "__main__":
