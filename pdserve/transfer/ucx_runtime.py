@@ -36,6 +36,19 @@ from pdserve.transfer.ucx_buffers import ucx_array
 
 QUARANTINE_S = 10.0  # how long a cancelled request's buffer is kept, in case UCX still writes it
 MAX_SLEEP_S = 1.0
+# On a CUDA transport, the longest sleep while requests are in flight. UCX's CUDA transports do
+# not all wake a worker's epoll fd when their copies finish (cuda_copy gained an event fd only in
+# UCX 1.9; UCX-Py saw CUDA transfers stall in blocking mode, rapidsai/ucx-py#888), and a
+# rendezvous of CUDA memory takes several progress steps: each one must not wait for a timeout.
+CUDA_IN_FLIGHT_SLEEP_S = 0.0005
+
+
+def sleep_limit(cuda: bool, in_flight: bool, next_timer: float | None) -> float:
+    """How long the worker thread may sleep on its fds: ``next_timer`` is the seconds to the
+    earliest timer, if any."""
+    limit = CUDA_IN_FLIGHT_SLEEP_S if cuda and in_flight else MAX_SLEEP_S
+    return limit if next_timer is None else min(max(next_timer, 0.0), limit)
+
 
 Completion = Callable[[BaseException | None], None]
 
@@ -250,9 +263,8 @@ class UCXWorkerThread:
         events: list[tuple[int, int]] = []
         try:
             if self.worker.arm():  # no UCX events pending: sleep until one, or a call, or a timer
-                timeout = MAX_SLEEP_S
-                if self._timers:
-                    timeout = min(max(self._timers[0].when - time.monotonic(), 0.0), timeout)
+                timer = self._timers[0].when - time.monotonic() if self._timers else None
+                timeout = sleep_limit(self.device.type == "cuda", bool(self._watched), timer)
                 events = poller.poll(timeout)
         finally:
             with self._lock:
