@@ -195,38 +195,48 @@ static inline void prefetch_span(const Pool *p, const int32_t *blocks, int64_t t
     }
 }
 
+/* Whether a sequence's context length or one of the block ids it uses is out of range. */
+static int seq_bad(const Pool *p, const int32_t *blocks, int32_t context_len) {
+    const int64_t used = ((int64_t)context_len + p->block_size - 1) / p->block_size;
+    if (context_len < 0 || used > p->max_blocks) return 1;
+    for (int64_t b = 0; b < used; b++)
+        if (blocks[b] < 0 || blocks[b] >= p->num_blocks) return 1;
+    return 0;
+}
+
 /*
- * One sequence, every kv head: a token's K (and V) rows of all kv heads are one contiguous run
- * of the pool, so the sequence's blocks are read front to back, once. (One task per kv head
- * read a third of each row and measured 1.4x slower on the default model's 3 kv heads.)
- * Spans of 64 tokens: scores of 16 tokens at a time (qk16), one softmax update per span and
- * query head, then P @ V over the span.
+ * Tokens [t_begin, t_end) of one sequence (t_begin a multiple of SPAN), every kv head: a token's
+ * K (and V) rows of all kv heads are one contiguous run of the pool, so the part's blocks are read
+ * front to back, once. (One task per kv head read a third of each row and measured 1.4x slower on
+ * the default model's 3 kv heads.) Spans of 64 tokens: scores of 16 tokens at a time (qk16), one
+ * softmax update per span and query head, then P @ V over the span. Leaves the part's softmax
+ * state in part (PART_FLOATS of it): per query head its running max m, sum l and the output
+ * accumulator (not yet divided by l, in pv_pairs' permuted order). The last span prefetches the
+ * next piece of work: tokens next_t0.. of next_blocks (context next_len), if next_blocks.
  */
-static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stride,
-                           const int32_t *blocks, int32_t context_len, float scale, uint16_t *out,
-                           float *acc, int prefetched, const int32_t *next_blocks,
-                           int32_t next_len) {
+#define PART_FLOATS(num_heads, hd) ((num_heads) * ((hd) + 2))
+static void decode_part_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stride,
+                             const int32_t *blocks, int64_t t_begin, int64_t t_end, float scale, float *part, int prefetched,
+                             const int32_t *next_blocks, int64_t next_t0, int32_t next_len) {
     const int group = p->group, hd = p->head_dim, num_kv_heads = p->num_kv_heads;
     const int num_heads = group * num_kv_heads, row = num_kv_heads * hd;
     const int chunk = 16 / (hd / 16); /* query heads whose outputs fit in 16 registers */
-    const int64_t used_blocks = ((int64_t)context_len + p->block_size - 1) / p->block_size;
     const uint16_t *k_cache = p->k_cache, *v_cache = p->v_cache;
-    int bad = context_len < 0 || used_blocks > p->max_blocks;
-    float m[num_heads], l[num_heads];
+    float *m = part, *l = part + num_heads, *acc = part + 2 * num_heads;
     uint32_t pairs[num_heads][SPAN / 2]; /* a span's probabilities as bf16 pairs */
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)num_heads * hd);
     int64_t rows[SPAN];
-    for (int64_t t0 = 0; !bad && t0 < context_len; t0 += SPAN) {
-        const int n = context_len - t0 < SPAN ? (int)(context_len - t0) : SPAN;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += SPAN) {
+        const int n = t_end - t0 < SPAN ? (int)(t_end - t0) : SPAN;
         const int tiles = (n + TOK - 1) / TOK;
-        if ((bad = span_rows(p, blocks, t0, n, tiles * TOK, rows))) break;
-        if (t0 == 0 && !prefetched) touch_rows(k_cache, v_cache, rows, n, row);
+        span_rows(p, blocks, t0, n, tiles * TOK, rows); /* ids checked by the caller */
+        if (t0 == t_begin && !prefetched) touch_rows(k_cache, v_cache, rows, n, row);
         /* the next span goes into L2 in num_heads x SPAN/TOK parts, one per score tile below:
-         * this sequence's, or after its last span the first of the thread's next sequence */
-        const int last = t0 + SPAN >= context_len;
+         * this part's, or after its last span the next piece of work's first */
+        const int last = t0 + SPAN >= t_end;
         const int32_t *pf_blocks = last ? next_blocks : blocks;
-        const int64_t next = last ? 0 : t0 + SPAN, pf_len = last ? next_len : context_len;
+        const int64_t next = last ? next_t0 : t0 + SPAN, pf_len = last ? next_len : t_end;
         const int parts = num_heads * (SPAN / TOK);
         for (int g = 0; g < num_kv_heads; g++) {
             const uint16_t *krows[SPAN], *vrows[SPAN];
@@ -238,10 +248,10 @@ static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stri
                 __m512 s[SPAN / TOK];
                 __m512 mx = _mm512_set1_ps(m[h]);
                 for (int j = 0; j < tiles; j++) {
-                    const int part = h * (SPAN / TOK) + j;
+                    const int pt = h * (SPAN / TOK) + j;
                     if (pf_blocks && next < pf_len)
-                        prefetch_span(p, pf_blocks, next + (int64_t)part * SPAN / parts,
-                                      next + (int64_t)(part + 1) * SPAN / parts, pf_len);
+                        prefetch_span(p, pf_blocks, next + (int64_t)pt * SPAN / parts,
+                                      next + (int64_t)(pt + 1) * SPAN / parts, pf_len);
                     s[j] = qk16(q + h * q_head_stride, krows + j * TOK, hd, scale);
                     const int left = n - j * TOK;
                     if (left < TOK)
@@ -276,15 +286,44 @@ static int decode_seq_bf16(const Pool *p, const uint16_t *q, int64_t q_head_stri
             }
         }
     }
+}
+
+/* A sequence's output from its nparts parts (decode_part_bf16, in token order): every part's
+ * state scaled by exp(its max - the overall max) and summed in order, then divided by the sum.
+ * One part is taken as it is, so a context of at most PART_TOKENS tokens gets exactly the single-pass
+ * result; the split never depends on the batch or the thread count, so neither do the outputs.
+ * bad (or no part): zeros. */
+static void merge_parts_bf16(const float *parts, int64_t nparts, int num_heads, int hd, int bad,
+                             uint16_t *out) {
+    const int64_t stride = PART_FLOATS(num_heads, hd);
     for (int h = 0; h < num_heads; h++) {
-        float o[hd];
-        unpermute(acc + h * hd, o, hd);
-        const __m512 inv = _mm512_set1_ps((!bad && l[h] > 0.0f) ? 1.0f / l[h] : 0.0f);
+        float sum[hd], o[hd], l = 0.0f;
+        const float *one = parts + 2 * num_heads + (int64_t)h * hd;
+        if (nparts < 1) {
+            memset(sum, 0, sizeof sum);
+        } else if (nparts == 1) {
+            l = parts[num_heads + h];
+            memcpy(sum, one, sizeof(float) * (size_t)hd);
+        } else {
+            float mx = -INFINITY;
+            for (int64_t c = 0; c < nparts; c++)
+                mx = parts[c * stride + h] > mx ? parts[c * stride + h] : mx;
+            memset(sum, 0, sizeof sum);
+            for (int64_t c = 0; c < nparts; c++) {
+                const float *pc = parts + c * stride;
+                const __m512 w = exp16_nonpos(_mm512_set1_ps(pc[h] - mx));
+                l += _mm512_cvtss_f32(w) * pc[num_heads + h];
+                for (int d = 0; d < hd; d += 16)
+                    _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(w, _mm512_loadu_ps(one + c * stride + d),
+                                                              _mm512_loadu_ps(sum + d)));
+            }
+        }
+        unpermute(sum, o, hd);
+        const __m512 inv = _mm512_set1_ps((!bad && nparts > 0 && l > 0.0f) ? 1.0f / l : 0.0f);
         for (int d = 0; d < hd; d += 16)
             _mm256_storeu_si256((__m256i *)(out + h * hd + d),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(o + d))));
     }
-    return bad ? num_kv_heads : 0;
 }
 
 #endif /* PDSERVE_DECODE_BF16_H */

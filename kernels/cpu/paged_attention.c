@@ -295,6 +295,106 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #define ATTN_NATIVE 0
 #endif
 
+#if ATTN_NATIVE
+#define PART_TOKENS 128 /* tokens per part of a sequence (a multiple of SPAN): decode_part_bf16 */
+
+/* A thread's buffer of parts, kept for its next call (OpenMP's threads live on); NULL if out of
+ * memory. */
+static float *thread_parts(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, (size_t)floats * sizeof *grown);
+        if (!grown) return NULL;
+        buf = grown, cap = floats;
+    }
+    return buf;
+}
+
+static int64_t num_parts(int32_t context_len) { return ((int64_t)context_len + PART_TOKENS - 1) / PART_TOKENS; }
+
+/*
+ * The AVX512-BF16 path: each sequence's context in parts of PART_TOKENS tokens, merged in order
+ * (merge_parts_bf16), whoever computes them. With at least 2 sequences per thread a thread takes a
+ * whole sequence at a time (claiming the next as it starts one, whose first span its last span
+ * prefetches); with fewer (batch 1 on 2 threads) the parts themselves are the tasks, so that every
+ * thread works. Returns the (sequence, kv head) tasks refused, or -1 without scratch memory.
+ */
+static int decode_native_bf16(const Pool *p, const uint16_t *q, const int32_t *block_tables,
+                              const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
+                              int64_t bt_stride, int64_t q_seq_stride, int64_t q_head_stride,
+                              float scale, int32_t num_threads) {
+    const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim;
+    const int64_t pf = PART_FLOATS(num_heads, hd), seq_out = (int64_t)num_heads * hd;
+    int64_t num_bad = 0;
+    int oom = 0;
+    if (num_seqs >= 2 * (int64_t)num_threads) {
+        int64_t claimed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
+        {
+            int64_t cur, nxt;
+#pragma omp atomic capture
+            cur = claimed++;
+            for (int prefetched = 0; cur < num_seqs; cur = nxt, prefetched = 1) {
+#pragma omp atomic capture
+                nxt = claimed++;
+                const int has_next = nxt < num_seqs;
+                const int32_t *blocks = block_tables + cur * bt_stride, len = context_lens[cur];
+                int bad = seq_bad(p, blocks, len);
+                const int64_t n = bad ? 0 : num_parts(len);
+                float *parts = thread_parts(n * pf);
+                if (!parts && n) {
+#pragma omp atomic write
+                    oom = 1;
+                    bad = 1;
+                }
+                for (int64_t c = 0; !bad && c < n; c++) {
+                    const int64_t t1 = (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len;
+                    const int more = c + 1 < n;
+                    decode_part_bf16(p, q + cur * q_seq_stride, q_head_stride, blocks,
+                                     c * PART_TOKENS, t1, scale, parts + c * pf, c > 0 || prefetched,
+                                     more ? blocks : has_next ? block_tables + nxt * bt_stride : NULL,
+                                     more ? t1 : 0, more ? len : has_next ? context_lens[nxt] : 0);
+                }
+                merge_parts_bf16(parts, bad ? 0 : n, num_heads, hd, bad, out + cur * seq_out);
+                num_bad += bad ? p->num_kv_heads : 0;
+            }
+        }
+        return oom ? -1 : (int)num_bad;
+    }
+    int64_t first[num_seqs + 1]; /* a sequence's first part; few sequences here */
+    char bad[num_seqs > 0 ? num_seqs : 1];
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        bad[s] = (char)seq_bad(p, block_tables + s * bt_stride, context_lens[s]);
+        first[s + 1] = first[s] + (bad[s] ? 0 : num_parts(context_lens[s]));
+    }
+    const int64_t total = first[num_seqs];
+    float *parts = thread_parts(total * pf);
+    if (!parts && total) return -1;
+#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < total; task++) {
+            int64_t s = 0;
+            while (first[s + 1] <= task) s++;
+            const int64_t c = task - first[s];
+            const int32_t len = context_lens[s];
+            const int64_t t1 = (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len;
+            decode_part_bf16(p, q + s * q_seq_stride, q_head_stride, block_tables + s * bt_stride,
+                             c * PART_TOKENS, t1, scale, parts + task * pf, 0, NULL, 0, 0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            merge_parts_bf16(parts + first[s] * pf, first[s + 1] - first[s], num_heads, hd, bad[s],
+                             out + s * seq_out);
+            num_bad += bad[s] ? p->num_kv_heads : 0;
+        }
+    }
+    return (int)num_bad;
+}
+#endif
+
 /*
  * q [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1); out contiguous
  * [num_seqs, num_heads, head_dim]; q, pools and out share one dtype (is_bf16). Block tables are
@@ -314,35 +414,10 @@ int pdserve_paged_decode_attention(
     const int elem = is_bf16 ? 2 : 4;
     int64_t num_bad = 0;
 #if ATTN_NATIVE
-    const int native = is_bf16 && (head_dim == 64 || head_dim == 128);
-#else
-    const int native = 0;
-#endif
-#if ATTN_NATIVE
-    if (native) {
-        int64_t claimed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
-        {
-            float acc[num_heads * head_dim]; /* per thread: every head's outputs in fp32 */
-            /* sequences handed out one at a time, each thread claiming its next one as it starts
-             * the current one: the current one's last span prefetches the next one's first */
-            int64_t cur, nxt;
-#pragma omp atomic capture
-            cur = claimed++;
-            for (int prefetched = 0; cur < num_seqs; cur = nxt, prefetched = 1) {
-#pragma omp atomic capture
-                nxt = claimed++;
-                const int has_next = nxt < num_seqs;
-                num_bad += decode_seq_bf16(&pool, (const uint16_t *)q + cur * q_seq_stride,
-                                           q_head_stride, block_tables + cur * bt_stride,
-                                           context_lens[cur], scale,
-                                           (uint16_t *)out + cur * num_heads * head_dim, acc,
-                                           prefetched, has_next ? block_tables + nxt * bt_stride : NULL,
-                                           has_next ? context_lens[nxt] : 0);
-            }
-        }
-        return (int)num_bad;
-    }
+    if (is_bf16 && (head_dim == 64 || head_dim == 128))
+        return decode_native_bf16(&pool, (const uint16_t *)q, block_tables, context_lens,
+                                  (uint16_t *)out, num_seqs, bt_stride, q_seq_stride, q_head_stride,
+                                  scale, num_threads);
 #endif
     /* Portable path: a task per SPAN_TOKENS of a sequence (every kv head), so that even one
      * sequence keeps every thread busy; then each (sequence, kv head) merges its spans. */

@@ -305,6 +305,42 @@ def test_long_contexts_split_in_spans_merge_exactly(dtype, block_size, paged_cas
 
 
 @needs_compiler
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_native_bf16_parts_merge_the_same_for_any_batch_and_threads(
+    block_size, paged_case, dense, close
+):
+    """The AVX512-BF16 path splits a context into parts of 128 tokens (computed by one thread a
+    sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
+    edge and over many parts; a sequence's result is the same alone on 1 or 2 threads and in a
+    batch (the parts are fixed, not sized to the threads)."""
+    if not ops.native_available() or not ops.attention_bf16_native():
+        pytest.skip("no AVX512-BF16 here: bf16 decode attention takes the widening path")
+    lens = [127, 128, 129, 600, 1030]
+    case = paged_case(lens, 3, 64, block_size, torch.bfloat16, seed=3)
+    q = torch.randn(len(lens), 9, 64).to(torch.bfloat16)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    threads = torch.get_num_threads()
+
+    def alone(i: int) -> torch.Tensor:
+        rows = slice(i, i + 1)
+        return ops.paged_decode_attention(
+            q[rows], *args[1:3], case.block_tables[rows], case.context_lens[rows], 0.125
+        )
+
+    try:
+        torch.set_num_threads(2)
+        batched = ops.paged_decode_attention(*args)  # a sequence per thread at a time
+        split = [alone(i) for i in range(len(lens))]  # its parts on both threads
+        torch.set_num_threads(1)
+        single = [alone(i) for i in range(len(lens))]
+    finally:
+        torch.set_num_threads(threads)
+    close(batched, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 0.125), torch.bfloat16)
+    assert torch.equal(batched, torch.cat(split))
+    assert torch.equal(batched, torch.cat(single))
+
+
+@needs_compiler
 def test_bad_block_in_a_later_span_counts_once_per_kv_head(paged_case):
     case = paged_case([600, 40], 3, 64, 16, torch.float32)
     q = torch.randn(2, 9, 64)
