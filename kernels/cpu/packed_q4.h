@@ -34,6 +34,9 @@
 #define QP_Q8_0 8
 #define Q4MR 8           /* rows of x per pass over the weights */
 #define Q4NG 4           /* groups side by side, at most */
+#ifndef QP_AHEAD
+#define QP_AHEAD 4       /* blocks prefetched ahead in each group */
+#endif
 
 int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
     return (N + Q4G - 1) / Q4G * (K / 32) * (qt == QP_Q8_0 ? Q8GB : Q4GB);
@@ -101,7 +104,12 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
         UNROLL for (int j = 0; j < Q4NG; j++) {
             if (j >= ng) break;
             b[j] = w + (g + j) * group_bytes + kb * gb;
-            for (int c = 0; c < gb; c += 64) _mm_prefetch((const char *)b[j] + 4 * gb + c, _MM_HINT_T0);
+            /* QP_AHEAD blocks ahead; near a group's end, into the next tile's group j (which
+             * follows in memory only for the last group): no stream starts cold */
+            const int64_t ahead = kb + QP_AHEAD;
+            const uint8_t *pf = ahead < kbs ? b[j] + QP_AHEAD * gb
+                                            : w + (g + j + ng) * group_bytes + (ahead - kbs) * gb;
+            for (int c = 0; c < gb; c += 64) _mm_prefetch((const char *)pf + c, _MM_HINT_T0);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b[j]));
             dlo[j] = _mm512_permutexvar_ps(lo_idx, d), dhi[j] = _mm512_permutexvar_ps(hi_idx, d);
             if (qt == QP_Q4_1) {
