@@ -1,24 +1,24 @@
 """CUDA backend: Triton kernels (they also run on CPU tensors under ``TRITON_INTERPRET=1``)."""
 
 from pdserve.kernels import reference
+from pdserve.kernels.triton import fused
 from pdserve.kernels.triton.decode_attention import paged_decode_attention
+from pdserve.kernels.triton.fused import rms_norm, rope_write_kv, silu_mul
 from pdserve.kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
 from pdserve.kernels.triton.prefill_attention import prefill_attention
 
-# No Triton kernel: F.linear (cuBLAS on CUDA tensors), torch for the small fused ops and for the
-# KV transfer's block copies.
+# No Triton kernel: F.linear (cuBLAS on CUDA tensors), torch for argmax and for the KV transfer's
+# block copies.
 argmax = reference.argmax
 empty_pool = reference.empty_pool
 gather_kv_blocks = reference.gather_kv_blocks
 kv_block_writer = reference.kv_block_writer
 linear = reference.linear
-rms_norm = reference.rms_norm
-rope_write_kv = reference.rope_write_kv
-silu_mul = reference.silu_mul
 
 __all__ = [
     "argmax",
     "empty_pool",
+    "fused",
     "gather_blocks",
     "gather_kv_blocks",
     "kv_block_writer",
