@@ -57,3 +57,38 @@ def add_mbu(
 def gpu_description(device: torch.device) -> str:
     props = torch.cuda.get_device_properties(device)
     return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
+
+
+def launches_per_step(engine, prompt: list[int], steps: int = 4) -> dict[str, float]:
+    """What the GPU runs per batch-1 decode step of ``engine``: kernels and memory copies
+    (torch.profiler's CUDA activity, over ``steps`` steps of one request with ``prompt``). On a
+    host that launches slowly a step is bound by their count (the first GPU run: ~41 kernels a
+    layer, ~1 ms a layer on an H100 VM); {} if the profiler saw no CUDA activity."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, supported_activities
+
+    from pdserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="launch-count")
+    try:
+        while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        engine.step()
+        if ProfilerActivity.CUDA not in supported_activities():  # a CPU-only torch
+            return {}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        engine.abort_request("launch-count")
+    kernels = copies = 0
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        if "memcpy" in event.name.lower() or "memset" in event.name.lower():
+            copies += 1
+        else:
+            kernels += 1
+    return {"kernels": kernels / steps, "copies": copies / steps} if kernels else {}

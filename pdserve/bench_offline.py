@@ -318,9 +318,14 @@ def run_offline_bench(args) -> dict:
             resolve_model(args.model), engine.dtype, args.prompt_len, args.output_len, args.device
         )
     if engine.runner.device.type == "cuda":
-        from pdserve.bench_gpu import add_mbu
+        from pdserve.bench_gpu import add_mbu, launches_per_step
 
         add_mbu(result, rl, steps, engine.runner.device)
+        try:  # a diagnostic: never fails the benchmark
+            prompt = random_prompt(random.Random(1), engine.model_config.vocab_size, 32)
+            result["launches_per_decode_step"] = launches_per_step(engine, prompt)
+        except Exception as exc:  # noqa: BLE001
+            result["launches_per_decode_step"] = {"error": repr(exc)}
     print(f"machine: {result['machine']}")
     print(
         f"model: {args.model} ({result['dtype']}, weights {result['quantization']}, "
@@ -341,6 +346,15 @@ def run_offline_bench(args) -> dict:
         print(
             f"MBU: bytes read per step (weights + KV) / step time / "
             f"{result['device_copy_bandwidth_gbps']:.0f} GB/s (a device-to-device copy here)"
+        )
+    if "launches_per_decode_step" in result:
+        launches = result["launches_per_decode_step"]
+        layers = engine.model_config.num_layers
+        print(
+            f"GPU work per batch-1 decode step: {launches['kernels']:.0f} kernels "
+            f"({launches['kernels'] / layers:.1f} a layer), {launches['copies']:.0f} copies"
+            if "kernels" in launches
+            else f"GPU work per decode step: not counted ({launches.get('error', 'no CUDA events')})"
         )
     print_roofline(result)
     if "hf" in result:

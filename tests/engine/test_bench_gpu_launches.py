@@ -1,0 +1,27 @@
+"""``bench_gpu.launches_per_step`` (what `pdserve bench offline --device cuda` prints as the GPU
+work per decode step) leaves the engine as it found it: its request aborted, every block free.
+On the CPU the profiler sees no CUDA activity, so it reports nothing; on a GPU, kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM
+from pdserve.bench_gpu import launches_per_step
+from pdserve.config import CacheConfig
+from tests.gpu import DEVICES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launch_count_leaves_no_request_behind(tiny_model, device):
+    folder, _ = tiny_model("gqa_untied")
+    llm = LLM(str(folder), device=device, cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+    engine = llm.engine
+    counted = launches_per_step(engine, list(range(3, 40)))
+    if device == "cpu" or not torch.cuda.is_available():
+        assert counted == {}
+    else:
+        assert counted["kernels"] > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.allocator.num_blocks
