@@ -251,6 +251,31 @@ def rope_write_kv(
     return q
 
 
+def rope_operands_ok(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
+    """Whether ``rope_write_kv``'s operands have the layout the fused backends take: ``qkv``
+    [tokens, (num_heads + 2 kv heads) x head_dim] with an even head_dim, fp32 contiguous tables
+    [max_positions, head_dim] of one shape, K and V pools of one shape (else: the reference)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return (
+        qkv.dim() == 2
+        and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        and head_dim % 2 == 0
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape
+        and cos.shape[-1] == head_dim
+        and k_cache.shape == v_cache.shape
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: ``silu(gate) * up`` where gate_up ``[..., 2 * I]`` holds gate then up."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -113,18 +113,7 @@ def rope_write_kv(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     width = (num_heads + 2 * num_kv_heads) * head_dim
     lib = _fused_library() if _fused_ok(qkv, k_cache, v_cache) else None
-    if (
-        lib is None
-        or qkv.dim() != 2
-        or qkv.shape[1] != width
-        or head_dim % 2
-        or cos.dtype != torch.float32
-        or sin.dtype != torch.float32
-        or not (cos.is_contiguous() and sin.is_contiguous())
-        or cos.shape != sin.shape
-        or cos.shape[-1] != head_dim
-        or k_cache.shape != v_cache.shape
-    ):
+    if lib is None or not reference.rope_operands_ok(qkv, cos, sin, num_heads, k_cache, v_cache):
         return reference.rope_write_kv(
             qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping
         )

@@ -176,21 +176,12 @@ def rope_write_kv(
     ``qkv``. A token whose position or slot is out of range is left as it is and writes nothing
     (the reference would fail on the device; the engine never makes one)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    width = (num_heads + 2 * num_kv_heads) * head_dim
     if (
-        qkv.dim() != 2
-        or qkv.shape[1] != width
+        not reference.rope_operands_ok(qkv, cos, sin, num_heads, k_cache, v_cache)
         or qkv.stride(1) != 1
-        or head_dim % 2
         or qkv.dtype not in (torch.float32, torch.bfloat16)
         or k_cache.dtype != qkv.dtype
         or v_cache.dtype != qkv.dtype
-        or cos.dtype != torch.float32
-        or sin.dtype != torch.float32
-        or not (cos.is_contiguous() and sin.is_contiguous())
-        or cos.shape != sin.shape
-        or cos.shape[-1] != head_dim
-        or k_cache.shape != v_cache.shape
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or positions.shape != (qkv.shape[0],)
         or slot_mapping.shape != positions.shape

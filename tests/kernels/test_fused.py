@@ -65,11 +65,10 @@ def test_rms_norm_with_and_without_residual(dtype, rows, monkeypatch):
     assert_within_ulps(got, want, 0.01, ulps=2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
-)
-def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
+def rope_case(dtype: torch.dtype, heads: tuple[int, int, int], device: str = "cpu"):
+    """A rope_write_kv call's operands (37 tokens at random positions and slots, random
+    frequencies) with four NaN-filled pools, and the reference's rotated q, which wrote the
+    first two pools; a backend writes the other two."""
     num_heads, num_kv_heads, head_dim = heads
     tokens, num_blocks, block_size = 37, 8, 16
     gen = torch.Generator().manual_seed(head_dim)
@@ -80,14 +79,24 @@ def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
         head_dim // 2, generator=gen
     )
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    qkv, positions, slots = qkv.to(device), positions.to(device), slots.to(device)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(4)]
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
     want_q = reference.rope_write_kv(
         qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots
     )
+    return (qkv, positions, cos, sin, num_heads), slots, caches, want_q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
+)
+def test_rope_write_kv_matches_reference_bit_for_bit(dtype, heads, monkeypatch):
+    args, slots, caches, want_q = rope_case(dtype, heads)
     no_reference(monkeypatch)
-    got_q = fused.rope_write_kv(qkv, positions, cos, sin, num_heads, caches[2], caches[3], slots)
+    got_q = fused.rope_write_kv(*args, caches[2], caches[3], slots)
     assert torch.equal(got_q, want_q)
     assert torch.equal(
         caches[2].nan_to_num(7.0), caches[0].nan_to_num(7.0)

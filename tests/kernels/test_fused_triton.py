@@ -13,7 +13,7 @@ import torch
 from pdserve.kernels import reference
 
 from tests.gpu import GPU
-from tests.kernels.test_fused import assert_within_ulps
+from tests.kernels.test_fused import assert_within_ulps, rope_case
 from tests.kernels.test_kernels_backends import load_backend
 
 DEVICES = [
@@ -52,24 +52,9 @@ def test_rms_norm_with_and_without_residual(device, dtype, rows, n):
     "heads", [(9, 3, 64), (4, 4, 32), (6, 2, 20)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
 )
 def test_rope_write_kv_matches_reference(device, dtype, heads):
-    num_heads, num_kv_heads, head_dim = heads
-    tokens, num_blocks, block_size = 37, 8, 16
-    gen = torch.Generator().manual_seed(head_dim)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(tokens, width, generator=gen).to(dtype).to(device)
-    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(device)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(device)
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(
-        head_dim // 2, generator=gen
-    )
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(device), emb.sin().to(device)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(4)]
-    want_q = reference.rope_write_kv(
-        qkv.clone(), positions, cos, sin, num_heads, caches[0], caches[1], slots
-    )
-    got_q = fused(device).rope_write_kv(qkv, positions, cos, sin, num_heads, *caches[2:], slots)
+    args, slots, caches, want_q = rope_case(dtype, heads, device)
+    qkv = args[0]
+    got_q = fused(device).rope_write_kv(*args, *caches[2:], slots)
     assert got_q.data_ptr() == qkv.data_ptr()  # rotated in place
     pairs = [(got_q, want_q), (caches[2], caches[0]), (caches[3], caches[1])]
     for got, want in pairs:  # the written slots, and only them (NaN elsewhere)
