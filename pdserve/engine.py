@@ -79,6 +79,7 @@ class LLMEngine:
             torch.device(config.device),
             self.max_model_len,
             config.quantization,
+            config.scheduler.max_num_seqs,
         )
         self.allocator = BlockAllocator(self.runner.pool.num_blocks)
         self.scheduler = Scheduler(

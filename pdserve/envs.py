@@ -26,6 +26,12 @@ def layer_loop_enabled() -> bool:
     return os.environ.get("PDSERVE_LAYER_LOOP", "1") != "0"
 
 
+def cuda_graphs() -> bool:
+    """Whether decode-only steps on CUDA replay CUDA graphs (PDSERVE_CUDA_GRAPHS=1; off until a
+    GPU run has proven them: pdserve/decode_graphs.py)."""
+    return os.environ.get("PDSERVE_CUDA_GRAPHS", "0") == "1"
+
+
 def quant_isa() -> str:
     """Which build of the quantized-weight kernels the CPU backend uses (PDSERVE_QUANT_ISA):
     "native" (default: AVX-512 where the CPU has it, else AVX2), "avx2" or "portable"."""

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve import kernels
+from pdserve import envs, kernels
 from pdserve.config import CacheConfig
+from pdserve.decode_graphs import DecodeGraphs
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
@@ -80,6 +81,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         quantization: str = "none",
+        max_num_seqs: int = 256,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -88,6 +90,17 @@ class ModelRunner:
         self.pool = KVCachePool(
             cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
         )
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs
+        # the Triton backend's rope_write_kv skips the graphs' padding rows (slot -1)
+        triton = getattr(self.model.ops, "__name__", "") == "pdserve.kernels.triton"
+        if envs.cuda_graphs() and device.type == "cuda" and triton:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.pool.kv_caches,
+                max_num_seqs,
+                -(-max_model_len // cache.block_size),
+                device,
+            )
 
     def weight_bytes(self, many_rows: bool = False) -> int:
         """Bytes of the weights a decode step reads (each tensor once, quantized or dense); with
@@ -186,14 +199,18 @@ class ModelRunner:
         self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
-        hidden = self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.pool.kv_caches,
-            inputs.meta,
-            after_layer,
-            inputs.rows,
-        )
+        hidden = None
+        if self.graphs is not None and after_layer is None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.pool.kv_caches,
+                inputs.meta,
+                after_layer,
+                inputs.rows,
+            )
         return self.model.compute_logits(hidden).cpu()
 
     def run(

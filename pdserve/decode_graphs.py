@@ -1,0 +1,150 @@
+"""Decode-only steps replayed from CUDA graphs: one launch a step instead of one per kernel.
+
+The first GPU run found a batch-1 decode step bound by the host launching kernels (an H100 VM:
+~1 ms a layer; docs/benchmarks.md, "GPU"), as vLLM and SGLang found before and answered with
+CUDA graphs. A step of n decode tokens runs the graph captured for the smallest batch size
+B >= n of ``BUCKETS`` (up to the engine's ``max_num_seqs``), on static inputs: the step's token
+ids, positions, slots, block tables and context lengths are copied into the first n rows, the
+other B - n rows are padding that reads and writes nothing (slot -1, which the Triton
+``rope_write_kv`` skips; context length 0, for which decode attention reads no block). Block
+tables have one fixed width, the most blocks a sequence can hold.
+
+Opt-in (``PDSERVE_CUDA_GRAPHS=1``) until a GPU run has proven it: only on CUDA, with the Triton
+backend, for steps with no prefill tokens and no per-layer hook (a prefill worker's KV sends).
+A batch size whose capture fails is run eagerly from then on, with a warning.
+
+``replay`` is the one place a CUDA graph is touched: tests on the CPU pass ``graph_factory`` an
+eager stand-in, which exercises everything else (the static buffers, the padding) under the
+Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class EagerGraph:
+    """What ``DecodeGraphs`` needs of a graph, run eagerly (tests on the CPU): ``capture(fn)``
+    records ``fn`` and returns its output, ``replay()`` runs it again on the same static inputs
+    and writes the result into that same output, as a CUDA graph's replay does."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._fn = fn
+        self._out = fn()
+        return self._out
+
+    def replay(self) -> None:
+        self._out.copy_(self._fn())
+
+
+class CUDAGraph:
+    """``fn`` captured once into a CUDA graph after two warm-up runs on a side stream (as
+    torch.cuda.graphs asks); ``replay`` runs it on the current stream, filling the tensor that
+    ``capture`` returned."""
+
+    def __init__(self, pool) -> None:  # noqa: ANN001 - a torch.cuda graph memory pool handle
+        self.pool = pool
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model,  # noqa: ANN001 - LlamaForCausalLM
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device,
+        graph_factory: Callable[[], object] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.max_blocks = max_blocks
+        top = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(top, **i64)
+        self.positions = torch.zeros(top, **i64)
+        self.slots = torch.full((top,), -1, **i64)  # padding rows write nothing
+        self.block_tables = torch.zeros(top, max_blocks, **i32)
+        self.context_lens = torch.zeros(top, **i32)  # padding rows read nothing
+        if graph_factory is None:
+            pool = torch.cuda.graph_pool_handle()
+            graph_factory = lambda: CUDAGraph(pool)  # noqa: E731
+        self.graph_factory = graph_factory
+        self.graphs: dict[int, tuple[object, torch.Tensor] | None] = {}  # None: capture failed
+
+    def bucket(self, n: int) -> int | None:
+        """The batch size a step of ``n`` decode tokens runs as, or None (more than the top)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:b],
+            num_prefill_tokens=0,
+            prefill_block_tables=None,
+            prefill_query_start_loc=None,
+            prefill_context_lens=None,
+            decode_block_tables=self.block_tables[:b],
+            decode_context_lens=self.context_lens[:b],
+        )
+        return self.model(self.ids[:b], self.positions[:b], self.kv_caches, meta)
+
+    def _graph(self, b: int) -> tuple[object, torch.Tensor] | None:
+        if b not in self.graphs:
+            graph = self.graph_factory()
+            try:  # the static rows hold padding now: the capture's runs write no KV
+                self.graphs[b] = (graph, graph.capture(lambda: self._forward(b)))
+            except Exception as exc:  # noqa: BLE001 - this batch size runs eagerly from now on
+                logger.warning("CUDA graph capture for batch %d failed (%r): eager steps", b, exc)
+                self.graphs[b] = None
+        return self.graphs[b]
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The final hidden states [n, hidden] of a decode-only step, from its batch size's graph;
+        None where the step cannot run so (the caller runs it eagerly)."""
+        n = input_ids.shape[0]
+        bt = meta.decode_block_tables
+        b = self.bucket(n)
+        if meta.num_prefill_tokens or b is None or bt is None or bt.shape[1] > self.max_blocks:
+            return None
+        made = self._graph(b)
+        if made is None:
+            return None
+        graph, out = made
+        self.ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.block_tables[:n, : bt.shape[1]].copy_(bt)
+        self.context_lens[:n].copy_(meta.decode_context_lens)
+        graph.replay()
+        # back to padding, so that the next capture (another batch size) writes nothing
+        self.slots[:n].fill_(-1)
+        self.context_lens[:n].zero_()
+        return out[:n]

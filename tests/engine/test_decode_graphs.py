@@ -1,0 +1,62 @@
+"""Decode steps from CUDA graphs (pdserve/decode_graphs.py), everything but the graph itself:
+on the CPU the Triton kernels run under the interpreter and ``EagerGraph`` stands in for a CUDA
+graph (replays run the captured function again on the same static tensors, into the same
+output). Requests finishing at different steps move the batch through buckets 4, 2 and 1 with
+padding rows, which must neither change the real rows' tokens nor write KV anywhere. On a GPU
+(``gpu``) the real CUDA graphs are captured and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import CacheConfig
+from pdserve.decode_graphs import DecodeGraphs, EagerGraph
+from tests.engine.test_tiny_vs_hf import PROMPTS
+from tests.gpu import DEVICES, HAS_CUDA
+from tests.kernels.test_kernels_backends import load_backend
+
+
+def run(folder, device: str, graphs: bool):
+    llm = LLM(str(folder), device=device, cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+    runner = llm.engine.runner
+    if graphs:
+        runner.graphs = DecodeGraphs(
+            runner.model,
+            runner.pool.kv_caches,
+            llm.engine.scheduler.config.max_num_seqs,
+            64,
+            torch.device(device),
+            graph_factory=EagerGraph if device == "cpu" else None,
+        )
+    # 4, 10, 17 and 24 new tokens: the batch shrinks from 4 rows to 1
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3)
+        for n in (4, 10, 17, 24)
+    ]
+    outs = llm.generate(PROMPTS, params)
+    assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+    return outs, runner.graphs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_steps_give_the_eager_steps_tokens(tiny_model, device, monkeypatch):
+    if device == "cpu":
+        if HAS_CUDA:
+            pytest.skip("kernels.triton runs compiled for the GPU here")
+        load_backend("triton", "cpu")  # skips unless the interpreter runs kernels.triton
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
+    folder, _ = tiny_model("gqa_untied")
+    eager, _ = run(folder, device, graphs=False)
+    replayed, graphs = run(folder, device, graphs=True)
+    assert sorted(b for b, made in graphs.graphs.items() if made is not None) == [1, 2, 4]
+    for want, got in zip(eager, replayed, strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert torch.allclose(
+                torch.tensor([v for _, v in a.top]), torch.tensor([v for _, v in b.top]), atol=1e-4
+            )
+    # at rest every static row is padding again: a later capture writes no KV
+    assert bool((graphs.slots == -1).all()) and bool((graphs.context_lens == 0).all())
