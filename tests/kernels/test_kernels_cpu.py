@@ -305,9 +305,12 @@ def test_long_contexts_split_in_spans_merge_exactly(dtype, block_size, paged_cas
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (16, 2, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
+)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_native_bf16_parts_merge_the_same_for_any_batch_and_threads(
-    block_size, paged_case, dense, close
+    heads, block_size, paged_case, dense, close
 ):
     """The AVX512-BF16 path splits a context into parts of 128 tokens (computed by one thread a
     sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
@@ -315,9 +318,10 @@ def test_native_bf16_parts_merge_the_same_for_any_batch_and_threads(
     batch (the parts are fixed, not sized to the threads)."""
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here: bf16 decode attention takes the widening path")
+    num_heads, num_kv_heads, head_dim = heads
     lens = [127, 128, 129, 600, 1030]
-    case = paged_case(lens, 3, 64, block_size, torch.bfloat16, seed=3)
-    q = torch.randn(len(lens), 9, 64).to(torch.bfloat16)
+    case = paged_case(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=3)
+    q = torch.randn(len(lens), num_heads, head_dim).to(torch.bfloat16)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     threads = torch.get_num_threads()
 
