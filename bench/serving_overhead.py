@@ -29,6 +29,10 @@ VARIANTS = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # idle OpenMP threads sleep instead of spinning
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    # GNU OpenMP's spin before a waiting thread sleeps (default 300000 iterations): short enough
+    # to sleep in the gap between steps, long enough to spin through a step's barriers?
+    "spin20k": {"GOMP_SPINCOUNT": "20000"},
+    "spin2k": {"GOMP_SPINCOUNT": "2000"},
 }
 
 
