@@ -80,6 +80,8 @@ def test_rope_write_kv_leaves_out_of_range_tokens(device):
     assert written.tolist() == [True] + [False] * 7
 
 
+# exp(100) overflows to inf in the interpreter's numpy (silu(-100) = -100 / inf = -0, as torch)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(device, dtype):
