@@ -64,10 +64,16 @@ def gateways_and_workers(
         stop_processes(procs)
 
 
-def run_cluster(workers: list[list[str]], args, env: dict[str, str] | None = None) -> dict:
-    """Start a gateway and ``workers`` (argv each), warm up, run the load ``args`` describe
-    (requests, users, rate, prompt_words, output_len, seed), stop everything; the load's summary."""
-    with cluster(workers, env) as (address, procs):
+def run_cluster(
+    workers: list[list[str]],
+    args,
+    env: dict[str, str] | None = None,
+    gateway_args: list[str] | None = None,
+) -> dict:
+    """Start a gateway (with ``gateway_args``) and ``workers`` (argv each), warm up, run the load
+    ``args`` describe (requests, users, rate, prompt_words, output_len, seed), stop everything;
+    the load's summary."""
+    with cluster(workers, env, gateway_args) as (address, procs):
         cpu = cpu_seconds(procs)
         summary = warm_then_load(address, args)
         summary["cluster_cpu_s"] = cpu_seconds(procs) - cpu

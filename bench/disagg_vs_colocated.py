@@ -20,13 +20,19 @@ SETUPS = {"disaggregated": DISAGGREGATED, "colocated": [["colocated", "--threads
 
 
 def main() -> None:
-    args = load_parser(
-        requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128
-    ).parse_args()
+    parser = load_parser(requests=64, users=16, prompt_words="0.9:64-256,0.1:2000", output_len=128)
+    parser.add_argument(
+        "--decode-prefill-budget",
+        default=None,
+        help="the gateway's --decode-prefill-budget for the disaggregated cluster (default: its own)",
+    )
+    args = parser.parse_args()
+    budget = args.decode_prefill_budget
+    gateway = {"disaggregated": [] if budget is None else ["--decode-prefill-budget", budget]}
     results = {}
     for name in SETUPS:
         print(f"== {name}", flush=True)
-        results[name] = run_cluster(SETUPS[name], args)
+        results[name] = run_cluster(SETUPS[name], args, gateway_args=gateway.get(name))
         print_summary(results[name])
     d, c = results["disaggregated"], results["colocated"]
     print("== disaggregated / colocated")
