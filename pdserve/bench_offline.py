@@ -28,6 +28,11 @@ from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
 
+def prefilling(engine) -> bool:  # noqa: ANN001 - an LLMEngine
+    """Whether a prompt is still waiting or being prefilled (the next step is not decode-only)."""
+    return bool(engine.scheduler.waiting) or any(s.in_prefill for s in engine.scheduler.running)
+
+
 def random_prompt(rng: random.Random, vocab_size: int, n: int) -> list[int]:
     return [rng.randrange(100, vocab_size - 100) for _ in range(n)]
 
@@ -67,9 +72,7 @@ def time_decode(
         )
     full, partial = [], []  # (seconds, tokens) of decode-only steps
     while engine.has_unfinished_requests():
-        has_prefill = bool(engine.scheduler.waiting) or any(
-            s.in_prefill for s in engine.scheduler.running
-        )
+        has_prefill = prefilling(engine)
         n_running = len(engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
@@ -206,7 +209,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
             params,
             request_id=f"prof-{i}",
         )
-    while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while prefilling(engine):
         engine.step()
     engine.step()
     # The kernels are timed at their Python entry points, which the layer loop bypasses: the

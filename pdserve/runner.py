@@ -91,9 +91,8 @@ class ModelRunner:
             cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
         )
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs
-        # the Triton backend's rope_write_kv skips the graphs' padding rows (slot -1)
-        triton = getattr(self.model.ops, "__name__", "") == "pdserve.kernels.triton"
-        if envs.cuda_graphs() and device.type == "cuda" and triton:
+        graphs_ok = getattr(self.model.ops, "DECODE_GRAPHS", False)  # a backend that can
+        if envs.cuda_graphs() and device.type == "cuda" and graphs_ok:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.pool.kv_caches,

@@ -312,6 +312,8 @@ static float *thread_parts(int64_t floats) {
 }
 
 static int64_t num_parts(int32_t context_len) { return ((int64_t)context_len + PART_TOKENS - 1) / PART_TOKENS; }
+/* One past the last token of part c of a context of len tokens. */
+static int64_t part_end(int64_t c, int32_t len) { return (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len; }
 
 /*
  * The AVX512-BF16 path: each sequence's context in parts of PART_TOKENS tokens, merged in order
@@ -349,7 +351,7 @@ static int decode_native_bf16(const Pool *p, const uint16_t *q, const int32_t *b
                     bad = 1;
                 }
                 for (int64_t c = 0; !bad && c < n; c++) {
-                    const int64_t t1 = (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len;
+                    const int64_t t1 = part_end(c, len);
                     const int more = c + 1 < n;
                     decode_part_bf16(p, q + cur * q_seq_stride, q_head_stride, blocks,
                                      c * PART_TOKENS, t1, scale, parts + c * pf, c > 0 || prefetched,
@@ -380,7 +382,7 @@ static int decode_native_bf16(const Pool *p, const uint16_t *q, const int32_t *b
             while (first[s + 1] <= task) s++;
             const int64_t c = task - first[s];
             const int32_t len = context_lens[s];
-            const int64_t t1 = (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len;
+            const int64_t t1 = part_end(c, len);
             decode_part_bf16(p, q + s * q_seq_stride, q_head_stride, block_tables + s * bt_stride,
                              c * PART_TOKENS, t1, scale, parts + task * pf, 0, NULL, 0, 0);
         }

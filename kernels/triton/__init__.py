@@ -7,6 +7,10 @@ from pdserve.kernels.triton.fused import rms_norm, rope_write_kv, silu_mul
 from pdserve.kernels.triton.kv_cache import gather_blocks, scatter_blocks, write_kv
 from pdserve.kernels.triton.prefill_attention import prefill_attention
 
+# Decode steps may replay CUDA graphs on this backend (pdserve/decode_graphs.py): its rope_write_kv
+# leaves a graph's padding rows (slot -1) alone.
+DECODE_GRAPHS = True
+
 # No Triton kernel: F.linear (cuBLAS on CUDA tensors), torch for argmax and for the KV transfer's
 # block copies.
 argmax = reference.argmax
