@@ -67,13 +67,12 @@ def launches_per_step(engine, prompt: list[int], steps: int = 4) -> dict[str, fl
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, supported_activities
 
-    from pdserve.bench_offline import prefilling
     from pdserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     engine.add_request(prompt, params, request_id="launch-count")
     try:
-        while prefilling(engine):
+        while engine.scheduler.has_prompt_work():
             engine.step()
         engine.step()
         if ProfilerActivity.CUDA not in supported_activities():  # a CPU-only torch

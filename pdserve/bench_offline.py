@@ -28,11 +28,6 @@ from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
 
-def prefilling(engine) -> bool:  # noqa: ANN001 - an LLMEngine
-    """Whether a prompt is still waiting or being prefilled (the next step is not decode-only)."""
-    return bool(engine.scheduler.waiting) or any(s.in_prefill for s in engine.scheduler.running)
-
-
 def random_prompt(rng: random.Random, vocab_size: int, n: int) -> list[int]:
     return [rng.randrange(100, vocab_size - 100) for _ in range(n)]
 
@@ -72,7 +67,7 @@ def time_decode(
         )
     full, partial = [], []  # (seconds, tokens) of decode-only steps
     while engine.has_unfinished_requests():
-        has_prefill = prefilling(engine)
+        has_prefill = engine.scheduler.has_prompt_work()
         n_running = len(engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
@@ -209,7 +204,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
             params,
             request_id=f"prof-{i}",
         )
-    while prefilling(engine):
+    while engine.scheduler.has_prompt_work():
         engine.step()
     engine.step()
     # The kernels are timed at their Python entry points, which the layer loop bypasses: the

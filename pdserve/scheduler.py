@@ -140,6 +140,10 @@ class Scheduler:
             budget -= n
         return batch
 
+    def has_prompt_work(self) -> bool:
+        """Whether a prompt waits or is being prefilled (the next step is not decode-only)."""
+        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+
     def num_prompt_tokens_to_compute(self) -> int:
         """Prompt tokens still to compute here: the rest of running prefills, and the prompts
         waiting less their leading blocks cached or being computed. Read from another thread
