@@ -23,6 +23,7 @@ filter yet, maybe still being computed: a prompt that shares it waits for it the
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -164,8 +165,9 @@ def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, i
     """(1 when the request's blocks are not free there, sequences there, -free blocks): lower
     is better. Without a fresh report: this gateway's calls there, its blocks assumed free."""
     r = fresh_report(w, now, stale_s)
-    if r is None:
-        return (0, len(w.calls), 0)
+    if r is None:  # (re)joined or silent: every block it last said it has, else any number
+        total = w.report.stats.num_total_blocks if w.report is not None else math.inf
+        return (0, len(w.calls), -total)
     needed = request_blocks(w, len(job.prompt_ids) + job.max_tokens)
     free = r.stats.num_free_blocks - w.unreported_blocks
     seqs = r.stats.num_running + r.stats.num_waiting + w.unreported_requests

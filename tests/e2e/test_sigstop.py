@@ -130,7 +130,7 @@ def test_a_stopped_decode_worker_is_evicted_its_streams_resume_and_it_rejoins(cl
     assert_no_leaks(c.live(), timeout=10)
     served = _metric(c.metrics[victim], "pdserve_requests_total", outcome="ok")
     with Client(c.gateway, timeout=60) as client:
-        for prompt in PROMPTS[:2]:  # least_loaded: idle decode workers take turns
+        for prompt in PROMPTS[:2]:  # idle decode workers take turns (router.py)
             out = client.complete(prompt, PARAMS)
             assert list(out.token_ids) == want[PROMPTS.index(prompt)]
     wait_until(

@@ -279,6 +279,20 @@ def test_decode_workers_by_free_blocks_then_batch(channel):
     assert pick(router, [d1, d2], job, decode=True) == "decode-2"
 
 
+def test_a_decode_worker_without_a_fresh_report_counts_its_blocks_free(channel):
+    """One that just (re)joined is not passed over for an idle one that reported: before the
+    fix its "blocks assumed free" counted as none free, so it got nothing until it reported."""
+    d1, d2 = worker(channel, "decode-1", "decode"), worker(channel, "decode-2", "decode")
+    router = Router("cost", stale_s=STALE_S)
+    d2.reported(report(free=1000))
+    assert pick(router, [d1, d2], chat(1), decode=True) == "decode-1"  # never reported
+    d1.reported(report(free=1000, age=3 * STALE_S))  # rejoined after its last report went stale
+    picks = [pick(router, [d1, d2], chat(t), decode=True) for t in range(4)]
+    assert sorted(picks) == ["decode-1", "decode-1", "decode-2", "decode-2"]  # idle alike: turns
+    d1.calls.add(object())  # this gateway's call in flight there: d2 now
+    assert pick(router, [d1, d2], chat(1), decode=True) == "decode-2"
+
+
 def test_without_a_request_cost_picks_as_least_loaded(channel):
     a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
     a.outstanding_tokens = 10
