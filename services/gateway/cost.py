@@ -161,7 +161,7 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     return min(kv_timeout_s + KV_HOLD_MARGIN * wait, max(MAX_KV_HOLD_S, kv_timeout_s))
 
 
-def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, int]:
+def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, float]:
     """(1 when the request's blocks are not free there, sequences there, -free blocks): lower
     is better. Without a fresh report: this gateway's calls there, its blocks assumed free."""
     r = fresh_report(w, now, stale_s)
