@@ -82,17 +82,23 @@ class Scheduler:
         return len(self.running) + len(self.awaiting_kv)
 
     def reserve(self, seq: Sequence) -> bool:
-        """Decode worker admission: blocks for the whole request, or False at once (nothing queued).
+        """Decode worker admission: blocks for the whole request, or False at once. It never waits,
+        nor takes a seat or blocks that a request already waiting here needs (``_queued``).
 
         With prefix caching, the prompt's leading full blocks that this worker already holds
         (``seq.num_cached_tokens``) are shared, not allocated: only the rest of the prompt's KV
         has to arrive. The sequence then waits, outside the batch, for it (``activate``).
         """
-        if self.num_seats_taken >= self.config.max_num_seqs or self._queued():
+        seats, blocks = self._queued()
+        if self.num_seats_taken + seats >= self.config.max_num_seqs:
             return False
         if self.enable_prefix_caching:
             seq.block_hashes = prefix_block_hashes(seq.prompt_token_ids, self.block_size)
         if not self._allocate(seq):
+            return False
+        if not self.allocator.can_allocate(blocks):
+            self.allocator.free(seq.block_table)  # it would take blocks a waiting request needs
+            seq.block_table = []
             return False
         seq.status = SequenceStatus.AWAITING_KV
         self.awaiting_kv.append(seq)
@@ -155,13 +161,17 @@ class Scheduler:
             n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
         return n
 
-    def _queued(self) -> bool:
-        """Whether a request waits here other than for a prefix being computed or received
-        (a reservation would overtake it)."""
+    def _queued(self) -> tuple[int, int]:
+        """(seats, blocks) that the requests waiting here other than for a prefix being computed
+        or received need to be admitted (blocks counted without prefix reuse: at most what they
+        take). A reservation that would leave them short overtakes them, and is refused; one that
+        leaves both goes ahead: they wait for the step's token budget, not for room."""
         if not self.waiting:
-            return False
+            return 0, 0
         pending = self._pending()
-        return any(not self._waits(s, pending) for s in self.waiting)
+        ahead = [s for s in self.waiting if not self._waits(s, pending)]
+        blocks = sum(blocks_needed(s.max_kv_tokens, self.block_size) for s in ahead)
+        return len(ahead), blocks
 
     def _pending(self) -> set[bytes]:
         """``pending_hashes`` of the running prefills and the requests awaiting their KV (from

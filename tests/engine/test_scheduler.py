@@ -201,3 +201,25 @@ def test_a_local_prefill_waits_for_a_prefix_a_transfer_is_bringing():
         for q in (shipped, local, other):
             s.finish(q, "abort")
         assert alloc.num_free_blocks == 32
+
+
+def test_a_reservation_goes_ahead_of_prompts_waiting_for_the_token_budget_only():
+    """On a decode worker prefilling prompts itself: a prompt that waits for the step's token
+    budget leaves room for a transfer's reservation (refusing it bounced disaggregated requests
+    while a core sat idle); a reservation that would take the seat or the blocks a waiting prompt
+    needs is refused, and nothing it tried to take stays allocated."""
+    s, alloc = make(num_blocks=12, max_num_seqs=4, budget=8)
+    first, second = seq("first", 8, 4), seq("second", 8, 4, first=100)  # 3 blocks each
+    s.add(first)
+    s.add(second)
+    assert s.schedule().prefills == [(first, 8)]  # the budget is spent: second waits for it
+    assert second.status is SequenceStatus.WAITING
+    shipped = seq("shipped", 8, 4, first=200)
+    assert s.reserve(shipped)  # 3 + 3 taken, 3 for second: room for all
+    assert alloc.num_used_blocks == 6
+    # 6 blocks free; second needs 3: a 5-block reservation would leave it 1
+    big = seq("big", 16, 5, first=300)
+    assert not s.reserve(big) and big.block_table == [] and alloc.num_used_blocks == 6
+    assert s.reserve(seq("small", 8, 4, first=400))  # 3 blocks: 3 left, second's 3 fit
+    assert not s.reserve(seq("seat", 2, 1, first=500))  # 3 seats taken + second's = max_num_seqs
+    assert alloc.num_used_blocks == 9
