@@ -5,6 +5,7 @@ worker, the colocated fallback and a full decode worker are the in-process tier'
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +59,9 @@ def test_the_only_decode_killed_mid_stream_gives_an_error_after_the_outage_wait(
                 pass
     assert 1 <= time.monotonic() - killed < 6
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "resuming after 2 tokens" in err.value.details()
+    # the client read 2 tokens before the kill; the gateway may have sent it more by then
+    sent = re.search(r"resuming after (\d+) tokens", err.value.details())
+    assert sent is not None and int(sent.group(1)) >= 2, err.value.details()
     assert_no_leaks(c.live())  # the prefill worker
 
 
