@@ -201,6 +201,12 @@ def main() -> None:
         help="trace every request and pair it with its worker's spans: what the gateway adds, "
         "request by request (gateway_spans.py)",
     )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="an option for the gateway (repeat; e.g. --gateway-arg=--no-token-feeds)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     env = {**ENV, "PDSERVE_CLUSTER_TOKEN": secrets.token_urlsafe(32)}
@@ -212,7 +218,9 @@ def main() -> None:
     try:
         os.sched_setaffinity(0, {0})  # the gateway (inherits it) and this client share core 0
         gw = start_process(
-            ["gateway", "--port", "0", "--http-port", "0", "--metrics-port", "-1"], env=env
+            ["gateway", "--port", "0", "--http-port", "0", "--metrics-port", "-1"]
+            + args.gateway_arg,
+            env=env,
         )
         procs.append(gw.proc)
         worker = start_process(
