@@ -109,7 +109,9 @@ class Watchdog:
                     self._suspect.discard(w)
                 elif w not in self._suspect:
                     self._suspect.add(w)
-                    self.log.warning(
+                    # info: routine under load (a prefill worker answers only as each prompt is
+                    # done, seconds apart on a busy CPU); what the probes find is the warning
+                    self.log.info(
                         "worker.suspect",
                         worker_id=w.worker_id,
                         address=w.address,
