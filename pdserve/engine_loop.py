@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -71,10 +72,17 @@ class EngineLoop:
         engine: LLMEngine,
         step_seconds: Callable[[float], None] | None = None,
         warm_up: bool = True,
+        borrow_cpus: frozenset[int] = frozenset(),
     ) -> None:
         """``step_seconds(s)`` is told how long each step took (a metric); ``warm_up``: two
-        short generations before serving (``_warm_up``)."""
+        short generations before serving (``_warm_up``); ``borrow_cpus``: cores beyond the
+        engine thread's own whose time its steps also use while no KV is on its way to this
+        engine (``_threads_for_step``)."""
         self.warm_up = warm_up
+        self.borrow_cpus = frozenset(borrow_cpus)
+        # (threads on its own cores, with the borrowed ones) once the engine thread set them up
+        self._threads: tuple[int, int] | None = None
+        self.threads_now = 0  # OpenMP threads of the step running now (0: not set up)
         self.engine = engine
         self._step_seconds = step_seconds
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -214,8 +222,51 @@ class EngineLoop:
         for q in self._streams.values():
             q.put_nowait(self._dead_error())
 
+    def _borrow(self) -> None:
+        """Engine thread, before serving, with ``borrow_cpus``: a pool of OpenMP threads that
+        may run on those cores too, while this thread keeps to its own.
+
+        A decode worker beside its prefill worker on a small machine (``pdserve up`` on 2 cores:
+        one core each) leaves the prefill core idle whenever no prompt is being computed for it
+        — at one user most of the time, and at the end of every burst. Its steps then run with
+        a thread on that core too; while a transfer is on its way (a prompt is queued or being
+        computed there: the gateway reserves the blocks before it sends the prompt), on its own
+        cores only, so the two never share a core for long. The pool's threads are made here
+        with both sets of cores allowed (a thread keeps the affinity it was made with), then
+        this thread returns to its own."""
+        own = os.sched_getaffinity(0)
+        extra = self.borrow_cpus - own
+        n_own = torch.get_num_threads()
+        self._threads = (n_own, n_own + len(extra))
+        self.threads_now = n_own
+        if not extra:
+            return
+        os.sched_setaffinity(0, own | extra)
+        try:
+            torch.set_num_threads(self._threads[1])
+            x = torch.zeros(1 << 22)
+            x.add_(1.0)  # a parallel region: the pool's threads are made now, on own | extra
+        finally:
+            os.sched_setaffinity(0, own)
+            torch.set_num_threads(n_own)
+        telemetry.logger().info(
+            "engine.borrowing", own_cpus=sorted(own), borrowed_cpus=sorted(extra), threads=n_own
+        )
+
+    def _threads_for_step(self) -> None:
+        """Engine thread: the borrowed cores' threads join the next step unless a KV transfer is
+        on its way here (its prefill worker is computing)."""
+        if self._threads is None:
+            return
+        n = self._threads[0] if self.engine.kv_on_its_way() else self._threads[1]
+        if n != self.threads_now:
+            torch.set_num_threads(n)
+            self.threads_now = n
+
     def _run(self) -> None:
         try:
+            if self.borrow_cpus:
+                self._borrow()
             # Tensors made in a step are inference tensors; hooks that run after it (and buffers
             # that the transport reuses across steps) must be in inference mode too.
             with torch.inference_mode():
@@ -288,6 +339,7 @@ class EngineLoop:
                     command = _NOTHING
             if not self.engine.has_unfinished_requests():
                 continue
+            self._threads_for_step()
             outputs, seconds = self._timed_step()
             idle = self.engine.last_step is None
             if idle:

@@ -91,12 +91,25 @@ def cluster_token(args) -> str | None:
     return args.cluster_token or envs.cluster_token()
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """Cores written ``0`` or ``0,1`` (``--cpus``, ``--borrow-cpus``)."""
+    try:
+        cpus = frozenset(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cores are written as numbers separated by commas, e.g. 0 or 0,1; got {text!r}"
+        ) from None
+    if any(c < 0 for c in cpus):
+        raise argparse.ArgumentTypeError(f"core numbers are >= 0, got {text!r}")
+    return cpus
+
+
 def cmd_worker(args) -> int:
     from pdserve.services.main import WorkerOptions, serve_worker
     from pdserve.services.process import run
 
     if args.cpus:
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        os.sched_setaffinity(0, cpu_list(args.cpus))
     return run(
         serve_worker(
             WorkerOptions(
@@ -114,6 +127,7 @@ def cmd_worker(args) -> int:
                 tls=tls_config(args),
                 cluster_token=cluster_token(args),
                 roofline=args.roofline,
+                borrow_cpus=getattr(args, "borrow_cpus", frozenset()),
             )
         )
     )
@@ -329,6 +343,16 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
         )
         w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
+        if role == "decode":
+            w.add_argument(
+                "--borrow-cpus",
+                type=cpu_list,
+                default=frozenset(),
+                metavar="CPUS",
+                help="the cores of a prefill worker on this machine (e.g. 0 or 0,1): this "
+                "worker's steps also use them while no KV is on its way to it (that prefill "
+                "worker is idle); pdserve up sets it for its one decode worker",
+            )
         w.add_argument(
             "--advertise",
             default=None,
@@ -373,6 +397,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--threads-per-worker", type=int, default=1)
     up.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
+    )
+    up.add_argument(
+        "--no-borrow",
+        dest="borrow",
+        action="store_false",
+        help="keep the decode worker's steps on its own core while the prefill worker's is idle "
+        "(by default, with one of each pinned, they use both)",
     )
     _drain_arg(up)
     up.add_argument(

@@ -86,6 +86,19 @@ def _cpu_sets(n: int) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(n)]
 
 
+def _borrowed(roles: list[str], cpus: list[str]) -> dict[int, str]:
+    """{worker index: --borrow-cpus}: one pinned prefill and one pinned decode worker on cores of
+    their own (the default cluster on a small machine) — the decode worker's steps use the
+    prefill core too while no prompt is being computed for it (EngineLoop._borrow). With more
+    workers a prefill worker's idle time is not one decode worker's to take: none."""
+    if sorted(roles) != ["decode", "prefill"] or not all(cpus):
+        return {}
+    decode, prefill = roles.index("decode"), roles.index("prefill")
+    if cpus[decode] == cpus[prefill]:
+        return {}
+    return {decode: cpus[prefill]}
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -147,6 +160,7 @@ def cmd_up(args) -> int:
             ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
+        borrow = _borrowed(roles, cpus) if args.borrow else {}
         metrics = [f"gateway {gateway.metrics}"]
         addresses = [gateway.address]
         for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
@@ -154,6 +168,8 @@ def cmd_up(args) -> int:
             argv += ["--threads", str(args.threads_per_worker)]
             if cpu:
                 argv += ["--cpus", cpu]
+            if i in borrow:
+                argv += ["--borrow-cpus", borrow[i]]
             started = start_process(argv, env=env)  # registered with the gateway once READY
             name = f"{role}-{roles[:i].count(role)}"
             cluster.add(name, argv, started.proc)

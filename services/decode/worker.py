@@ -123,8 +123,14 @@ class _Probe(_Generation):
 
 class DecodeWorker:
     def __init__(
-        self, engine: LLMEngine, transport: KVTransport | None, metrics: WorkerMetrics | None = None
+        self,
+        engine: LLMEngine,
+        transport: KVTransport | None,
+        metrics: WorkerMetrics | None = None,
+        borrow_cpus: frozenset[int] = frozenset(),
     ) -> None:
+        """``borrow_cpus``: the cores of the prefill worker beside it, which its engine's steps
+        also use while no KV is on its way here (EngineLoop._borrow)."""
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
@@ -132,7 +138,7 @@ class DecodeWorker:
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this decode worker is draining (shutting down)")
         observe = self.metrics.step_observer(phase, lambda: engine.last_step)
-        self.loop = EngineLoop(engine, step_seconds=observe)
+        self.loop = EngineLoop(engine, step_seconds=observe, borrow_cpus=borrow_cpus)
         self._unsettled: set[asyncio.Task[None]] = set()  # blocks freed once a write has landed
         if transport is not None:
             self.metrics.watch_transport(transport.counters)

@@ -3,6 +3,7 @@ the pool its loading and warm-up left in the main thread before its engine threa
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -79,3 +80,51 @@ def test_the_engine_loop_releases_the_pool_its_warm_up_left(default_model_dir):
         """
     )
     assert int(started) == int(idle)  # the idle OpenMP thread gone, the engine thread up
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to borrow one")
+def test_a_decode_engine_steps_on_borrowed_cores_only_while_no_kv_is_on_its_way(
+    default_model_dir,
+):
+    """EngineLoop(borrow_cpus=...): pinned to one core with one thread, a decode engine's steps
+    take a second thread on the borrowed core while nothing is on its way to it, and keep to
+    its own core while a reserved request's KV is (its prefill worker is computing, on that
+    core); the engine thread itself stays on its own core throughout."""
+    own, other = sorted(os.sched_getaffinity(0))[:2]
+    free, held, after, engine_cpus = run(
+        f"""
+        import asyncio
+        from pdserve.engine import LLMEngine
+        from pdserve.config import EngineConfig
+        from pdserve.engine_loop import EngineLoop
+        from pdserve.sampling_params import SamplingParams
+        os.sched_setaffinity(0, {{{own}}})
+        engine = LLMEngine(EngineConfig(model={str(default_model_dir)!r}, dtype="float32",
+                                        threads=1))
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+        async def main():
+            loop = EngineLoop(engine, warm_up=False, borrow_cpus=frozenset({{{other}}}))
+            loop.start(asyncio.get_running_loop())
+            async def threads_of_steps(rid):
+                q = loop.open_stream(rid)
+                await loop.call(lambda e: e.add_request(list(range(5, 40)), params, rid))
+                seen = set()
+                while not (await q.get()).finished:
+                    seen.add(loop.threads_now)
+                loop.close_stream(rid)
+                return ",".join(map(str, sorted(seen)))
+            free = await threads_of_steps("a")
+            await loop.call(lambda e: e.reserve_request(list(range(100, 140)), params, "kv"))
+            held = await threads_of_steps("b")
+            await loop.call(lambda e: e.abort_request("kv"))
+            after = await threads_of_steps("c")
+            cpus = os.sched_getaffinity(loop._thread.native_id)
+            loop.stop()
+            print(free, held, after, ",".join(map(str, sorted(cpus))))
+
+        asyncio.run(main())
+        """
+    )
+    assert (free, held, after) == ("2", "1", "2")
+    assert engine_cpus == str(own)

@@ -125,3 +125,33 @@ def test_every_gateway_config_field_has_an_option():
 def test_no_prefix_caching_reaches_the_cache_config(command):
     args = build_parser().parse_args([command, "--no-prefix-caching"])
     assert serve_cli.engine_config(args).cache == CacheConfig(enable_prefix_caching=False)
+
+
+def test_pdserve_up_lends_the_prefill_core_to_its_one_decode_worker_only():
+    """`pdserve up` on its own: one prefill and one decode worker pinned to cores of their own,
+    the decode worker borrowing the prefill core; any other shape lends nothing."""
+    from pdserve.services.launcher import _borrowed
+
+    assert _borrowed(["prefill", "decode"], ["0", "1"]) == {1: "0"}
+    assert _borrowed(["prefill", "decode"], ["", ""]) == {}  # --no-pin
+    assert _borrowed(["prefill", "decode"], ["0", "0"]) == {}  # one core for both
+    assert _borrowed(["prefill", "prefill", "decode"], ["0", "1", "2"]) == {}
+    assert _borrowed(["prefill", "decode", "decode"], ["0", "1", "2"]) == {}
+    assert _borrowed(["colocated"], ["0"]) == {}
+    assert build_parser().parse_args(["up"]).borrow
+    assert not build_parser().parse_args(["up", "--no-borrow"]).borrow
+
+
+def test_borrowed_cores_are_a_decode_worker_option_and_bad_ones_say_what_is_allowed(capsys):
+    args = build_parser().parse_args(["decode", "--borrow-cpus", "0,2"])
+    assert args.borrow_cpus == frozenset({0, 2})
+    assert build_parser().parse_args(["decode"]).borrow_cpus == frozenset()
+    for bad in ("zero", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["decode", "--borrow-cpus", bad])
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cores are written as numbers separated by commas, e.g. 0 or 0,1; got 'zero'" in err
+    assert "core numbers are >= 0, got '-1'" in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill", "--borrow-cpus", "0"])
