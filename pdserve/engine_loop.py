@@ -241,7 +241,12 @@ class EngineLoop:
         self.threads_now = n_own
         if not extra:
             return
-        os.sched_setaffinity(0, own | extra)
+        try:
+            os.sched_setaffinity(0, own | extra)
+        except OSError as e:  # not this process's to use (the CLI checks it first)
+            telemetry.logger().warning("engine.borrow_refused", cpus=sorted(extra), error=str(e))
+            self._threads = (n_own, n_own)
+            return
         try:
             torch.set_num_threads(self._threads[1])
             x = torch.zeros(1 << 22)

@@ -108,6 +108,16 @@ def cmd_worker(args) -> int:
     from pdserve.services.main import WorkerOptions, serve_worker
     from pdserve.services.process import run
 
+    allowed = os.sched_getaffinity(0)
+    for option, cpus in (
+        ("--cpus", args.cpus and cpu_list(args.cpus)),
+        ("--borrow-cpus", getattr(args, "borrow_cpus", None)),
+    ):
+        if cpus and not cpus <= allowed:
+            raise SystemExit(
+                f"{option}: core(s) {','.join(map(str, sorted(cpus - allowed)))} are not among "
+                f"those this process may run on ({','.join(map(str, sorted(allowed)))})"
+            )
     if args.cpus:
         os.sched_setaffinity(0, cpu_list(args.cpus))
     return run(

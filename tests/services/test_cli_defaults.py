@@ -155,3 +155,23 @@ def test_borrowed_cores_are_a_decode_worker_option_and_bad_ones_say_what_is_allo
     assert "core numbers are >= 0, got '-1'" in err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--borrow-cpus", "0"])
+
+
+def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
+    import os
+    import subprocess
+    import sys
+
+    outside = max(os.sched_getaffinity(0)) + 1
+    allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for option in ("--cpus", "--borrow-cpus"):
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "decode", option, str(outside)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().endswith(
+            f"{option}: core(s) {outside} are not among those this process may run on ({allowed})"
+        )
