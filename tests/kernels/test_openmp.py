@@ -91,7 +91,7 @@ def test_a_decode_engine_steps_on_borrowed_cores_only_while_no_kv_is_on_its_way(
     its own core while a reserved request's KV is (its prefill worker is computing, on that
     core); the engine thread itself stays on its own core throughout."""
     own, other = sorted(os.sched_getaffinity(0))[:2]
-    free, held, after, engine_cpus = run(
+    *_, free, held, after, engine_cpus = run(  # after the engine's log lines
         f"""
         import asyncio
         from pdserve.engine import LLMEngine
