@@ -18,8 +18,11 @@ DISAGGREGATED_NO_BORROW = [
     ["prefill", "--threads", "1", "--cpus", "0"],
     ["decode", "--threads", "1", "--cpus", "1"],
 ]
-# as pdserve up on 2 cores: the decode worker's steps use the prefill core too while it is idle
-DISAGGREGATED = [DISAGGREGATED_NO_BORROW[0], [*DISAGGREGATED_NO_BORROW[1], "--borrow-cpus", "0"]]
+# as pdserve up on 2 cores: each worker's steps use the other's core too while that one is idle
+DISAGGREGATED = [
+    [*DISAGGREGATED_NO_BORROW[0], "--borrow-cpus", "1"],
+    [*DISAGGREGATED_NO_BORROW[1], "--borrow-cpus", "0"],
+]
 
 
 TWO_PREFILL = [  # routing between prefill workers: one core each, the decode worker beside them

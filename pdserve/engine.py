@@ -135,6 +135,7 @@ class LLMEngine:
         request_id: str,
         sender: KVSender,
         skip_blocks: int = 0,
+        decode_idle: bool = False,
     ) -> OutgoingKV:
         """Prefill side: compute the prompt and sample its first token; each layer's KV leaves
         through ``sender`` as soon as the forward has written it, the token after sampling. The
@@ -156,6 +157,8 @@ class LLMEngine:
             )
         one = dataclasses.replace(params, max_tokens=1, stop=())
         self.add_request(prompt_token_ids, one, request_id)
+        if decode_idle:
+            self._seqs[request_id].decode_idle = True
         return self.kv_out.add(request_id, sender, skip_blocks)
 
     def release_held(self, request_id: str) -> None:
@@ -234,6 +237,12 @@ class LLMEngine:
     def kv_on_its_way(self) -> bool:
         """Decode side: a reserved request's KV has yet to land here."""
         return bool(self.scheduler.awaiting_kv)
+
+    def prompts_for_idle_decode(self) -> bool:
+        """Prefill side: every prompt here is for a decode worker that runs nothing else
+        (``add_prefill(decode_idle=True)``)."""
+        s = self.scheduler
+        return all(seq.decode_idle for seq in (*s.running, *s.waiting))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

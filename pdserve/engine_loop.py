@@ -73,13 +73,15 @@ class EngineLoop:
         step_seconds: Callable[[float], None] | None = None,
         warm_up: bool = True,
         borrow_cpus: frozenset[int] = frozenset(),
+        may_borrow: Callable[[], bool] | None = None,
     ) -> None:
         """``step_seconds(s)`` is told how long each step took (a metric); ``warm_up``: two
         short generations before serving (``_warm_up``); ``borrow_cpus``: cores beyond the
-        engine thread's own whose time its steps also use while no KV is on its way to this
-        engine (``_threads_for_step``)."""
+        engine thread's own whose time its steps also use while ``may_borrow()`` (engine thread,
+        before each step) says that their owner is idle (``_borrow``)."""
         self.warm_up = warm_up
         self.borrow_cpus = frozenset(borrow_cpus)
+        self._may_borrow = may_borrow
         # (threads on its own cores, with the borrowed ones) once the engine thread set them up
         self._threads: tuple[int, int] | None = None
         self.threads_now = 0  # OpenMP threads of the step running now (0: not set up)
@@ -226,14 +228,17 @@ class EngineLoop:
         """Engine thread, before serving, with ``borrow_cpus``: a pool of OpenMP threads that
         may run on those cores too, while this thread keeps to its own.
 
-        A decode worker beside its prefill worker on a small machine (``pdserve up`` on 2 cores:
-        one core each) leaves the prefill core idle whenever no prompt is being computed for it
-        — at one user most of the time, and at the end of every burst. Its steps then run with
-        a thread on that core too; while a transfer is on its way (a prompt is queued or being
-        computed there: the gateway reserves the blocks before it sends the prompt), on its own
-        cores only, so the two never share a core for long. The pool's threads are made here
-        with both sets of cores allowed (a thread keeps the affinity it was made with), then
-        this thread returns to its own."""
+        A prefill and a decode worker pinned to a core each (``pdserve up`` on 2 cores) leave
+        each other's core idle much of the time: the prefill core whenever no prompt is being
+        computed — at one user most of the time, and at the end of every burst — and the decode
+        core while it has no stream. So each one's steps run with a thread on the other's core
+        while the other is idle: a decode worker's while no KV is on its way to it (a prompt is
+        queued or computing for it: the gateway reserves the blocks before it sends the prompt),
+        a prefill worker's while each prompt it computes is for a decode worker that runs
+        nothing else (the gateway says so in the request). Otherwise each keeps to its own
+        core, so the two never share one for long. The pool's threads are made here with both
+        sets of cores allowed (a thread keeps the affinity it was made with), then this thread
+        returns to its own."""
         own = os.sched_getaffinity(0)
         extra = self.borrow_cpus - own
         n_own = torch.get_num_threads()
@@ -259,11 +264,11 @@ class EngineLoop:
         )
 
     def _threads_for_step(self) -> None:
-        """Engine thread: the borrowed cores' threads join the next step unless a KV transfer is
-        on its way here (its prefill worker is computing)."""
+        """Engine thread: the borrowed cores' threads join the next step if ``may_borrow()``."""
         if self._threads is None:
             return
-        n = self._threads[0] if self.engine.kv_on_its_way() else self._threads[1]
+        borrow = self._may_borrow is not None and self._may_borrow()
+        n = self._threads[1] if borrow else self._threads[0]
         if n != self.threads_now:
             torch.set_num_threads(n)
             self.threads_now = n

@@ -42,6 +42,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    # prefill side: its decode worker runs nothing else (EngineLoop may borrow that one's cores)
+    decode_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

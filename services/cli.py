@@ -91,6 +91,15 @@ def cluster_token(args) -> str | None:
     return args.cluster_token or envs.cluster_token()
 
 
+BORROW_HELP = {
+    "decode": "the cores of a prefill worker on this machine (e.g. 0 or 0,1): this worker's steps "
+    "also use them while no KV is on its way to it (that worker is idle); pdserve up sets it",
+    "prefill": "the cores of a decode worker on this machine (e.g. 1): this worker's steps also "
+    "use them while each prompt they compute is for an idle decode worker (the gateway says "
+    "which); pdserve up sets it",
+}
+
+
 def cpu_list(text: str) -> frozenset[int]:
     """Cores written ``0`` or ``0,1`` (``--cpus``, ``--borrow-cpus``)."""
     try:
@@ -353,15 +362,13 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
         )
         w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
-        if role == "decode":
+        if role in BORROW_HELP:
             w.add_argument(
                 "--borrow-cpus",
                 type=cpu_list,
                 default=frozenset(),
                 metavar="CPUS",
-                help="the cores of a prefill worker on this machine (e.g. 0 or 0,1): this "
-                "worker's steps also use them while no KV is on its way to it (that prefill "
-                "worker is idle); pdserve up sets it for its one decode worker",
+                help=BORROW_HELP[role],
             )
         w.add_argument(
             "--advertise",

@@ -88,15 +88,15 @@ def _cpu_sets(n: int) -> list[str]:
 
 def _borrowed(roles: list[str], cpus: list[str]) -> dict[int, str]:
     """{worker index: --borrow-cpus}: one pinned prefill and one pinned decode worker on cores of
-    their own (the default cluster on a small machine) — the decode worker's steps use the
-    prefill core too while no prompt is being computed for it (EngineLoop._borrow). With more
-    workers a prefill worker's idle time is not one decode worker's to take: none."""
+    their own (the default cluster on a small machine) each use the other's core while that one
+    is idle (EngineLoop._borrow). With more workers a worker's idle time is not one other's to
+    take: none."""
     if sorted(roles) != ["decode", "prefill"] or not all(cpus):
         return {}
     decode, prefill = roles.index("decode"), roles.index("prefill")
     if cpus[decode] == cpus[prefill]:
         return {}
-    return {decode: cpus[prefill]}
+    return {decode: cpus[prefill], prefill: cpus[decode]}
 
 
 def _interrupt(signum, frame) -> None:

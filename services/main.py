@@ -63,14 +63,16 @@ class WorkerOptions:
     # measure memory bandwidth and GEMM rate at start (~0.5 s) and export each step's fraction
     # of the roofline (pdserve/roofline.py); off (--no-roofline) for fast test clusters
     roofline: bool = True
-    # decode workers: the cores of the prefill worker beside it, whose time its engine's steps
-    # also take while no KV is on its way here (pdserve/engine_loop.py EngineLoop._borrow)
+    # prefill and decode workers: the cores of the other role's worker beside it, whose time its
+    # engine's steps also take while that one is idle (pdserve/engine_loop.py EngineLoop._borrow)
     borrow_cpus: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
-        if self.borrow_cpus and self.role != "decode":
-            raise ValueError(f"only a decode worker borrows cores (--borrow-cpus), not {self.role}")
+        if self.borrow_cpus and self.role == "colocated":
+            raise ValueError(
+                "a colocated worker borrows no cores (--borrow-cpus): give it --threads"
+            )
         if self.tls is not None and not self.tls.mutual:
             raise ValueError(
                 "a worker's TLS is mutual: give --tls-ca as well as --tls-cert and --tls-key"
@@ -143,7 +145,7 @@ def _worker_parts(opts: WorkerOptions):
         opts.engine.scheduler.max_num_seqs,
     )
     if opts.role == "prefill":
-        worker = PrefillWorker(engine, transport, metrics)
+        worker = PrefillWorker(engine, transport, metrics, opts.borrow_cpus)
         server = rpc.Server(["pdserve.v1.Prefill"], errors=STATUS_CODES)
         worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server.server)
     else:

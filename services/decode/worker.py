@@ -138,7 +138,12 @@ class DecodeWorker:
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this decode worker is draining (shutting down)")
         observe = self.metrics.step_observer(phase, lambda: engine.last_step)
-        self.loop = EngineLoop(engine, step_seconds=observe, borrow_cpus=borrow_cpus)
+        self.loop = EngineLoop(
+            engine,
+            step_seconds=observe,
+            borrow_cpus=borrow_cpus,
+            may_borrow=lambda: not engine.kv_on_its_way(),
+        )
         self._unsettled: set[asyncio.Task[None]] = set()  # blocks freed once a write has landed
         if transport is not None:
             self.metrics.watch_transport(transport.counters)

@@ -441,6 +441,7 @@ class Gateway:
                     prompt_token_ids=ids,
                     sampling=sampling,
                     destination=first.admitted.destination,
+                    decode_idle=placement.decode_idle(decode, cost),
                 ),
                 timeout=timeout or hold_s,
                 metadata=md,

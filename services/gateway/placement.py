@@ -51,6 +51,13 @@ def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: fl
     prefill.prefill_rate = rate if prev is None else prev + RATE_WEIGHT * (rate - prev)
 
 
+def decode_idle(decode: Worker, cost: int) -> bool:
+    """Whether the request of ``cost`` (prompt + max_tokens) just admitted on ``decode`` is all
+    this gateway runs there: its prefill worker may then borrow that worker's cores
+    (PrefillRequest.decode_idle; EngineLoop._borrow). Other gateways' requests are not known."""
+    return decode.outstanding_tokens == cost and not decode.local_prefill_tokens
+
+
 def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
     """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED. ``num_tokens``:
     the prompt tokens ``decode`` would compute."""

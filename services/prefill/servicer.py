@@ -35,6 +35,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             list(d.block_ids),
             max(d.deadline_unix_ms / 1000 - time.time(), 0.001),
             d.num_cached_blocks,
+            request.decode_idle,
         )
         compat_hash = self.worker.transport.layout.compat_hash
         if d.compat_hash and d.compat_hash != compat_hash:

@@ -33,19 +33,31 @@ class Destination:
     block_ids: list[int]  # the decode worker's, for the prompt's blocks after skip_blocks
     timeout_s: float
     skip_blocks: int = 0  # the prompt's leading blocks the decode worker holds already
+    decode_idle: bool = False  # it runs nothing else: its cores may be borrowed for this prompt
 
 
 class PrefillWorker:
     def __init__(
-        self, engine: LLMEngine, transport: KVTransport, metrics: WorkerMetrics | None = None
+        self,
+        engine: LLMEngine,
+        transport: KVTransport,
+        metrics: WorkerMetrics | None = None,
+        borrow_cpus: frozenset[int] = frozenset(),
     ) -> None:
+        """``borrow_cpus``: the cores of the decode worker beside it, which its engine's steps
+        also use while every prompt they compute is for an idle decode worker (EngineLoop)."""
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
         # closed while the worker drains: new requests get UNAVAILABLE, running ones finish
         self.gate = rpc.Gate("this prefill worker is draining (shutting down)")
         observe = self.metrics.step_observer("prefill", lambda: engine.last_step)
-        self.loop = EngineLoop(engine, step_seconds=observe)
+        self.loop = EngineLoop(
+            engine,
+            step_seconds=observe,
+            borrow_cpus=borrow_cpus,
+            may_borrow=engine.prompts_for_idle_decode,
+        )
         self._peers: dict[bytes, PeerHandle] = {}
         self._peers_lock = threading.Lock()
         self._releasing: set[asyncio.Task[None]] = set()  # held blocks freed once sends settle
@@ -99,6 +111,7 @@ class PrefillWorker:
             kv_bytes=stats.nbytes,
             kv_gbps=round(stats.gbps, 3),
             kv_overlap=round(overlap, 3),
+            decode_idle=dest.decode_idle,
         )
         telemetry.end_span(span)
         return out, stats, overlap
@@ -130,7 +143,9 @@ class PrefillWorker:
         done = False
         try:
             send = await self.loop.call(
-                lambda e: e.add_prefill(prompt_ids, params, request_id, tx, dest.skip_blocks)
+                lambda e: e.add_prefill(
+                    prompt_ids, params, request_id, tx, dest.skip_blocks, dest.decode_idle
+                )
             )
             out = await q.get()
             done = True

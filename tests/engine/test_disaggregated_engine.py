@@ -175,3 +175,24 @@ def test_a_landing_held_for_an_unsettled_transfer_stays_allocated_until_released
     assert second.block_ids == first.block_ids and second.generation > first.generation
     e.abort_request("b")
     assert e.num_free_blocks == 6
+
+
+def test_a_prefill_engine_may_borrow_only_while_every_prompt_is_for_an_idle_decode_worker(
+    tiny_model,
+):
+    """``prompts_for_idle_decode``, what a prefill worker's EngineLoop borrows cores by: true with
+    nothing to compute, and while each prompt waiting or computing was sent for a decode worker
+    that runs nothing else (PrefillRequest.decode_idle); one that was not makes it false."""
+    folder, _ = tiny_model("gqa_untied")
+    e = engine(folder)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt = list(range(3, 13))  # 10 tokens: 3 blocks of 4
+    assert e.prompts_for_idle_decode()
+    e.add_prefill(prompt, params, "idle", CopySender(3), decode_idle=True)
+    assert e.prompts_for_idle_decode()
+    e.add_prefill([t + 50 for t in prompt], params, "busy", CopySender(3))
+    assert not e.prompts_for_idle_decode()
+    e.abort_request("busy")
+    assert e.prompts_for_idle_decode()
+    run_all(e)
+    assert e.prompts_for_idle_decode()

@@ -104,7 +104,8 @@ def test_a_decode_engine_steps_on_borrowed_cores_only_while_no_kv_is_on_its_way(
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
         async def main():
-            loop = EngineLoop(engine, warm_up=False, borrow_cpus=frozenset({{{other}}}))
+            loop = EngineLoop(engine, warm_up=False, borrow_cpus=frozenset({{{other}}}),
+                              may_borrow=lambda: not engine.kv_on_its_way())  # DecodeWorker's
             loop.start(asyncio.get_running_loop())
             async def threads_of_steps(rid):
                 q = loop.open_stream(rid)

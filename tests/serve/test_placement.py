@@ -123,3 +123,12 @@ def test_a_prompt_whose_prefix_its_decode_worker_holds_is_prefilled_there(cluste
     with Client(off.address, timeout=60) as client:
         assert client.complete(second, params).token_ids == got.token_ids
     assert_no_leaks(c.live())
+
+
+def test_a_decode_worker_counts_as_idle_for_borrowing_only_with_nothing_else_of_ours_there():
+    """PrefillRequest.decode_idle: the request just admitted is all this gateway runs on the
+    decode worker (no other stream, no prompt it is prefilling itself)."""
+    assert placement.decode_idle(_worker("decode", outstanding_tokens=300), 300)
+    assert not placement.decode_idle(_worker("decode", outstanding_tokens=600), 300)
+    busy = _worker("decode", outstanding_tokens=300, local_prefill_tokens=40)
+    assert not placement.decode_idle(busy, 300)

@@ -127,12 +127,12 @@ def test_no_prefix_caching_reaches_the_cache_config(command):
     assert serve_cli.engine_config(args).cache == CacheConfig(enable_prefix_caching=False)
 
 
-def test_pdserve_up_lends_the_prefill_core_to_its_one_decode_worker_only():
+def test_pdserve_up_lends_its_prefill_and_decode_workers_each_others_core_and_nothing_else():
     """`pdserve up` on its own: one prefill and one decode worker pinned to cores of their own,
-    the decode worker borrowing the prefill core; any other shape lends nothing."""
+    each borrowing the other's; any other shape lends nothing."""
     from pdserve.services.launcher import _borrowed
 
-    assert _borrowed(["prefill", "decode"], ["0", "1"]) == {1: "0"}
+    assert _borrowed(["prefill", "decode"], ["0", "1"]) == {1: "0", 0: "1"}
     assert _borrowed(["prefill", "decode"], ["", ""]) == {}  # --no-pin
     assert _borrowed(["prefill", "decode"], ["0", "0"]) == {}  # one core for both
     assert _borrowed(["prefill", "prefill", "decode"], ["0", "1", "2"]) == {}
@@ -142,9 +142,10 @@ def test_pdserve_up_lends_the_prefill_core_to_its_one_decode_worker_only():
     assert not build_parser().parse_args(["up", "--no-borrow"]).borrow
 
 
-def test_borrowed_cores_are_a_decode_worker_option_and_bad_ones_say_what_is_allowed(capsys):
+def test_borrowed_cores_are_a_prefill_and_decode_option_and_bad_ones_say_what_is_allowed(capsys):
     args = build_parser().parse_args(["decode", "--borrow-cpus", "0,2"])
     assert args.borrow_cpus == frozenset({0, 2})
+    assert build_parser().parse_args(["prefill", "--borrow-cpus", "1"]).borrow_cpus == {1}
     assert build_parser().parse_args(["decode"]).borrow_cpus == frozenset()
     for bad in ("zero", "-1"):
         with pytest.raises(SystemExit) as exit_:
@@ -154,7 +155,7 @@ def test_borrowed_cores_are_a_decode_worker_option_and_bad_ones_say_what_is_allo
     assert "cores are written as numbers separated by commas, e.g. 0 or 0,1; got 'zero'" in err
     assert "core numbers are >= 0, got '-1'" in err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["prefill", "--borrow-cpus", "0"])
+        build_parser().parse_args(["colocated", "--borrow-cpus", "0"])
 
 
 def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
