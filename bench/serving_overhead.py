@@ -6,7 +6,9 @@ and each round: ``pdserve bench offline --batch-sizes 1`` in its own process, th
 one colocated worker (same dtype, quantization and threads) under W-c1 (8 requests, 1 user,
 prompts of 256-768 words, 128 output tokens, greedy, ignore_eos). Reported: the offline step,
 the served TPOT p50, their ratio (issue 14's target: within 1.10), and the worker's and gateway's
-CPU per output token.
+CPU per output token. ``--shapes colocated,up`` serves the same load through ``pdserve up``'s
+shape too (a prefill and a decode worker pinned to a core each, borrowing each other's idle
+core: at one user the decode worker's steps run on both cores, as the offline step's threads).
 
     .venv/bin/python bench/serving_overhead.py --threads 2 --rounds 2 --variants default,passive
 """
@@ -23,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import run_cluster  # noqa: E402
+from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -53,25 +55,32 @@ def main() -> None:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", default="default,passive", help=", ".join(VARIANTS))
+    p.add_argument("--shapes", default="colocated", help="colocated, up")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    engine = ["--threads", str(args.threads), "--dtype", args.dtype]
-    engine += ["--quantization", args.quantization]
+    model = ["--dtype", args.dtype, "--quantization", args.quantization]
+    engine = ["--threads", str(args.threads), *model]
+    shapes = {"colocated": [["colocated", *engine]], "up": [[*w, *model] for w in DISAGGREGATED]}
     load = argparse.Namespace(
         requests=8, users=1, rate=None, prompt_words="256-768", output_len=128, seed=0
     )
-    rows: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    rows: dict[str, list[dict]] = {
+        f"{shape}/{v}" if shape != "colocated" else v: []
+        for shape in args.shapes.split(",")
+        for v in args.variants.split(",")
+    }
     for r in range(args.rounds):
         for variant, runs in rows.items():
-            env = VARIANTS[variant]
+            shape, _, name = variant.rpartition("/")
+            env = VARIANTS[name]
             step = offline_step_ms(engine, env)
-            s = run_cluster([["colocated", *engine]], load, env=env)
+            s = run_cluster(shapes[shape or "colocated"], load, env=env)
             tpot = s["tpot_s"]["p50"] * 1e3
             tokens = s["output_tokens_per_s"] * s["wall_s"]
             cpu_ms = s["cluster_cpu_s"] / max(tokens, 1) * 1e3
             runs.append({"offline_step_ms": step, "tpot_p50_ms": tpot, "cpu_ms_per_token": cpu_ms})
             print(
-                f"round {r} {variant:8s}: offline step {step:.1f} ms, served TPOT p50 {tpot:.1f} ms "
+                f"round {r} {variant:10s}: offline step {step:.1f} ms, served TPOT p50 {tpot:.1f} ms "
                 f"({tpot / step:.2f}x), cluster CPU {cpu_ms:.1f} ms per output token",
                 flush=True,
             )
@@ -79,7 +88,7 @@ def main() -> None:
     for variant, runs in rows.items():
         step = statistics.median(x["offline_step_ms"] for x in runs)
         tpot = statistics.median(x["tpot_p50_ms"] for x in runs)
-        print(f"{variant:8s}: offline {step:.1f} ms, served {tpot:.1f} ms, {tpot / step:.2f}x")
+        print(f"{variant:10s}: offline {step:.1f} ms, served {tpot:.1f} ms, {tpot / step:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "runs": rows}, f, indent=2)
