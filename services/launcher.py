@@ -160,7 +160,9 @@ def cmd_up(args) -> int:
             ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         )
         cpus = _cpu_sets(len(roles)) if args.pin else [""] * len(roles)
-        borrow = _borrowed(roles, cpus) if args.borrow else {}
+        # a core each with one thread each (the default): each may borrow the other's
+        one_thread = args.threads_per_worker == 1
+        borrow = _borrowed(roles, cpus) if args.borrow and one_thread else {}
         metrics = [f"gateway {gateway.metrics}"]
         addresses = [gateway.address]
         for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
