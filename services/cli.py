@@ -6,14 +6,13 @@ The processes themselves start in ``main.py``; ``up`` and the READY handshake ar
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Callable
 
-from pdserve.services import launcher, lifecycle
+from pdserve.services import cpus, launcher, lifecycle
 from pdserve.services.admin_cli import admin_commands
 from pdserve.services.gateway.config import POLICIES, GatewayConfig
 from pdserve.services.gateway.registry import ROLES
+from pdserve.services.health_cli import cmd_health
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -91,44 +90,12 @@ def cluster_token(args) -> str | None:
     return args.cluster_token or envs.cluster_token()
 
 
-BORROW_HELP = {
-    "decode": "the cores of a prefill worker on this machine (e.g. 0 or 0,1): this worker's steps "
-    "also use them while no KV is on its way to it (that worker is idle); pdserve up sets it",
-    "prefill": "the cores of a decode worker on this machine (e.g. 1): this worker's steps also "
-    "use them while each prompt they compute is for an idle decode worker (the gateway says "
-    "which); pdserve up sets it",
-}
-
-
-def cpu_list(text: str) -> frozenset[int]:
-    """Cores written ``0`` or ``0,1`` (``--cpus``, ``--borrow-cpus``)."""
-    try:
-        cpus = frozenset(int(c) for c in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"cores are written as numbers separated by commas, e.g. 0 or 0,1; got {text!r}"
-        ) from None
-    if any(c < 0 for c in cpus):
-        raise argparse.ArgumentTypeError(f"core numbers are >= 0, got {text!r}")
-    return cpus
-
-
 def cmd_worker(args) -> int:
     from pdserve.services.main import WorkerOptions, serve_worker
     from pdserve.services.process import run
 
-    allowed = os.sched_getaffinity(0)
-    for option, cpus in (
-        ("--cpus", args.cpus and cpu_list(args.cpus)),
-        ("--borrow-cpus", getattr(args, "borrow_cpus", None)),
-    ):
-        if cpus and not cpus <= allowed:
-            raise SystemExit(
-                f"{option}: core(s) {','.join(map(str, sorted(cpus - allowed)))} are not among "
-                f"those this process may run on ({','.join(map(str, sorted(allowed)))})"
-            )
-    if args.cpus:
-        os.sched_setaffinity(0, cpu_list(args.cpus))
+    borrow = getattr(args, "borrow_cpus", frozenset())  # prefill and decode workers only
+    cpus.pin(args.cpus, borrow)
     return run(
         serve_worker(
             WorkerOptions(
@@ -146,7 +113,7 @@ def cmd_worker(args) -> int:
                 tls=tls_config(args),
                 cluster_token=cluster_token(args),
                 roofline=args.roofline,
-                borrow_cpus=getattr(args, "borrow_cpus", frozenset()),
+                borrow_cpus=borrow,
             )
         )
     )
@@ -173,41 +140,6 @@ def cmd_gateway(args) -> int:
             )
         )
     )
-
-
-def cmd_health(args) -> int:
-    """Exit 0 iff the server at ``args.address`` says SERVING (a container health check)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    if args.tls_ca is None:
-        channel = grpc.insecure_channel(args.address)
-    else:  # TLS; with --tls-cert/--tls-key, presenting our certificate (a mutual-TLS port)
-
-        def read(path: str | None) -> bytes | None:
-            if path is None:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
-
-        credentials = grpc.ssl_channel_credentials(
-            read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
-        )
-        options = [("grpc.ssl_target_name_override", args.tls_server_name)]
-        channel = grpc.secure_channel(
-            args.address, credentials, options=options if args.tls_server_name else None
-        )
-    try:
-        with channel as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
-    except grpc.RpcError as e:
-        print(f"pdserve health: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(f"{args.address}: {status}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -361,15 +293,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         w.add_argument(
             "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
         )
-        w.add_argument("--cpus", default="", help="pin to these cores, e.g. 0 or 0,1")
-        if role in BORROW_HELP:
-            w.add_argument(
-                "--borrow-cpus",
-                type=cpu_list,
-                default=frozenset(),
-                metavar="CPUS",
-                help=BORROW_HELP[role],
-            )
+        cpus.add_args(w, role)
         w.add_argument(
             "--advertise",
             default=None,
