@@ -205,7 +205,7 @@ def main() -> None:
         "--gateway-arg",
         action="append",
         default=[],
-        help="an option for the gateway (repeat; e.g. --gateway-arg=--no-token-feeds)",
+        help="an option for the gateway (repeat; e.g. --gateway-arg=--policy=round_robin)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()

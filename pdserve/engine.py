@@ -157,8 +157,7 @@ class LLMEngine:
             )
         one = dataclasses.replace(params, max_tokens=1, stop=())
         self.add_request(prompt_token_ids, one, request_id)
-        if decode_idle:
-            self._seqs[request_id].decode_idle = True
+        self._seqs[request_id].decode_idle = decode_idle
         return self.kv_out.add(request_id, sender, skip_blocks)
 
     def release_held(self, request_id: str) -> None:

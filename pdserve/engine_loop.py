@@ -267,15 +267,14 @@ class EngineLoop:
         """Engine thread: the borrowed cores' threads join the next step if ``may_borrow()``."""
         if self._threads is None:
             return
-        borrow = self._may_borrow is not None and self._may_borrow()
-        n = self._threads[1] if borrow else self._threads[0]
+        n = self._threads[1] if self._may_borrow() else self._threads[0]
         if n != self.threads_now:
             torch.set_num_threads(n)
             self.threads_now = n
 
     def _run(self) -> None:
         try:
-            if self.borrow_cpus:
+            if self.borrow_cpus and self._may_borrow is not None:
                 self._borrow()
             # Tensors made in a step are inference tensors; hooks that run after it (and buffers
             # that the transport reuses across steps) must be in inference mode too.

@@ -83,13 +83,13 @@ class Scheduler:
 
     def reserve(self, seq: Sequence) -> bool:
         """Decode worker admission: blocks for the whole request, or False at once. It never waits,
-        nor takes a seat or blocks that a request already waiting here needs (``_queued``).
+        nor takes a seat or blocks that a request already waiting here needs (``_needed_by_waiting``).
 
         With prefix caching, the prompt's leading full blocks that this worker already holds
         (``seq.num_cached_tokens``) are shared, not allocated: only the rest of the prompt's KV
         has to arrive. The sequence then waits, outside the batch, for it (``activate``).
         """
-        seats, blocks = self._queued()
+        seats, blocks = self._needed_by_waiting()
         if self.num_seats_taken + seats >= self.config.max_num_seqs:
             return False
         if self.enable_prefix_caching:
@@ -161,7 +161,7 @@ class Scheduler:
             n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
         return n
 
-    def _queued(self) -> tuple[int, int]:
+    def _needed_by_waiting(self) -> tuple[int, int]:
         """(seats, blocks) that the requests waiting here other than for a prefix being computed
         or received need to be admitted (blocks counted without prefix reuse: at most what they
         take). A reservation that would leave them short overtakes them, and is refused; one that
