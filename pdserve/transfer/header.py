@@ -304,19 +304,21 @@ def message_buffer_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 
 
 def write_header(buf: torch.Tensor, header: LayerHeader) -> None:
-    raw = header.pack()
-    if buf.is_cuda:
-        buf[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    else:
-        buf[:HEADER_NBYTES].numpy()[:] = memoryview(raw)
+    """Write ``header`` into the message buffer ``buf`` (any device). ``buf`` may be an inference
+    tensor (the engine's forward takes message buffers in inference mode) written after it, e.g.
+    the last layer's, framed after sampling: in-place writes to one need inference mode."""
+    raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+    with torch.inference_mode():
+        buf[:HEADER_NBYTES].copy_(raw)
 
 
 def write_message(buf: torch.Tensor, header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> int:
     """Frame ``header``, ``k`` and ``v`` into the uint8 tensor ``buf`` (copying K and V);
     returns the message length."""
     k_view, v_view = message_views(buf, header)
-    k_view.copy_(k)
-    v_view.copy_(v)
+    with torch.inference_mode():  # see write_header
+        k_view.copy_(k)
+        v_view.copy_(v)
     write_header(buf, header)
     return HEADER_NBYTES + 2 * k.numel() * k.element_size()
 

@@ -19,6 +19,7 @@ from pdserve.transfer.header import (
     write_header,
     write_message,
 )
+from tests.gpu import DEVICES
 from tests.transfer.peers import default_layout, layer_kv
 
 BASE = dict(
@@ -110,6 +111,22 @@ def test_gathering_in_place_is_recognised() -> None:
     assert read_header(buf) == header
     assert message_buffer_of(k.clone(), v) is None
     assert message_buffer_of(v, k) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffers_made_in_inference_mode_are_framed_outside_it(device: str) -> None:
+    """The engine's forward (inference mode) takes a message buffer to gather a layer into; the
+    last layer is framed after sampling, outside it (LLMEngine.step called directly)."""
+    layout = default_layout(torch.bfloat16)
+    k, v = layer_kv(layout, 8, seed=5, layer=0)
+    header = LayerHeader.for_layer(layout, 4, 0, 8, token_id=17)
+    with torch.inference_mode():
+        buf = torch.empty(layout.message_nbytes(8), dtype=torch.uint8, device=device)
+    assert write_message(buf, header, k.to(device), v.to(device)) == buf.numel()
+    write_header(buf, header)
+    assert read_header(buf) == header
+    got_k, _ = message_views(buf, header)
+    assert torch.equal(got_k.cpu().view(torch.uint8), k.view(torch.uint8))
 
 
 def test_message_shorter_than_its_header_announces() -> None:
