@@ -27,9 +27,9 @@ def layer_loop_enabled() -> bool:
 
 
 def cuda_graphs() -> bool:
-    """Whether decode-only steps on CUDA replay CUDA graphs (PDSERVE_CUDA_GRAPHS=1; off until a
-    GPU run has proven them: pdserve/decode_graphs.py)."""
-    return os.environ.get("PDSERVE_CUDA_GRAPHS", "0") == "1"
+    """Whether decode-only steps on CUDA replay CUDA graphs (pdserve/decode_graphs.py; on since an
+    H100 run proved them: the eager steps' tokens, 1.9x faster steps; PDSERVE_CUDA_GRAPHS=0 off)."""
+    return os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
 
 
 def quant_isa() -> str:
