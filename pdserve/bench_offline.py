@@ -163,6 +163,52 @@ PROFILED_KERNELS = (
 )
 
 
+def start_decoding(engine, batch: int, prompt_len: int, steps: int, tag: str) -> None:
+    """Add ``batch`` random prompts and step until every one of them decodes, with room for
+    ``steps`` more decode steps before any finishes."""
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=steps + 4 + batch, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = random_prompt(rng, engine.model_config.vocab_size, prompt_len)
+        engine.add_request(prompt, params, request_id=f"{tag}-{i}")
+    while engine.scheduler.has_prompt_work():
+        engine.step()
+    engine.step()
+
+
+def host_profile(llm: LLM, batch: int, prompt_len: int, steps: int = 64, top: int = 30) -> str:
+    """The host's own time in ``steps`` decode steps at batch ``batch``, as they run (CUDA graphs,
+    the layer loop), by function: cProfile's own time, sorted. On a GPU a step's host time is
+    what it does besides the device's work (the scheduler, the step's inputs, the logits' copy,
+    sampling); a function that waits for the device (``.cpu()``, a synchronize) shows the wait."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = llm.engine
+    start_decoding(engine, batch, prompt_len, 2 * steps, "host")
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain = (time.perf_counter() - start) / steps
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    profiled = (time.perf_counter() - start) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    body = out.getvalue().split("\n", 3)[-1]  # pstats' own header names a temporary object
+    return (
+        f"host profile of {steps} decode steps at batch {batch}: {1e3 * plain:.2f} ms a step, "
+        f"{1e3 * profiled:.2f} ms profiled (cProfile's cost); own time by function:\n{body}"
+    )
+
+
 def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> str:
     """Where a decode step's time goes: wall time inside each kernel entry point of the model's
     backend (most of it is C, which torch.profiler does not see), the lm_head and sampling, and
@@ -195,18 +241,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
         (model, "compute_logits", model.compute_logits),
         (runner_module, "sample", runner_module.sample),
     ]
-    rng = random.Random(0)
-    # long enough that none finishes while the last prompts are prefilled or during the steps
-    params = SamplingParams(max_tokens=2 * steps + 4 + batch, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            random_prompt(rng, engine.model_config.vocab_size, prompt_len),
-            params,
-            request_id=f"prof-{i}",
-        )
-    while engine.scheduler.has_prompt_work():
-        engine.step()
-    engine.step()
+    start_decoding(engine, batch, prompt_len, 2 * steps, "prof")
     # The kernels are timed at their Python entry points, which the layer loop bypasses: the
     # profile runs the module path (same kernels, more Python), and says how long a loop step takes.
     loop_step = None
@@ -364,6 +399,8 @@ def run_offline_bench(args) -> dict:
         )
     if getattr(args, "profile", None):
         print(profile_decode(llm, args.profile, args.prompt_len))
+    if getattr(args, "host_profile", None):
+        print(host_profile(llm, args.host_profile, args.prompt_len))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

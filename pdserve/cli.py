@@ -221,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BATCH",
         help="also print where a decode step's time goes (per kernel entry point) at this batch size",
     )
+    o.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="BATCH",
+        help="also print the host's own time in decode steps at this batch size, by function "
+        "(cProfile; on a GPU, what the host does besides launching)",
+    )
     o.add_argument("--json", default=None, help="also write the results to this JSON file")
     o.set_defaults(func=cmd_bench_offline)
     from pdserve import bench_serve
