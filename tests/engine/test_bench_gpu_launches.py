@@ -1,6 +1,7 @@
 """``bench_gpu.launches_per_step`` (what `pdserve bench offline --device cuda` prints as the GPU
 work per decode step) leaves the engine as it found it: its request aborted, every block free.
-On the CPU the profiler sees no CUDA activity, so it reports nothing; on a GPU, kernels."""
+On the CPU the profiler sees no CUDA activity, so it reports nothing; on a GPU, kernels. So does
+``bench_offline.host_profile`` (`--host-profile`: the host's time in decode steps by function)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from pdserve import LLM
 from pdserve.bench_gpu import launches_per_step
+from pdserve.bench_offline import host_profile
 from pdserve.config import CacheConfig
 from tests.gpu import DEVICES
 
@@ -23,5 +25,17 @@ def test_launch_count_leaves_no_request_behind(tiny_model, device):
         assert counted == {}
     else:
         assert counted["kernels"] > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_profile_names_the_steps_functions_and_leaves_no_request_behind(tiny_model, device):
+    folder, _ = tiny_model("gqa_untied")
+    llm = LLM(str(folder), device=device, cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+    report = host_profile(llm, batch=3, prompt_len=9, steps=8, top=40)
+    assert report.startswith("host profile of 8 decode steps at batch 3:")
+    assert "engine.py" in report and "(step)" in report  # cProfile's rows, by function
+    engine = llm.engine
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks == engine.allocator.num_blocks
