@@ -43,15 +43,35 @@ def add_args(p: argparse.ArgumentParser, role: str) -> None:
         )
 
 
+def usable_cpus() -> frozenset[int]:
+    """The cores this machine lets a process run on: its cgroup's cpuset where it has one (a
+    container's), else every online core. Not this process's own affinity: a launcher pinned to
+    one core (bench/gateway_overhead.py pins itself beside its gateway) passes that on, and the
+    worker it starts may still pin itself to another core."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            cpus: set[int] = set()
+            for part in text.split(","):
+                first, _, last = part.partition("-")
+                cpus.update(range(int(first), int(last or first) + 1))
+            return frozenset(cpus)
+    return frozenset(range(os.cpu_count() or 1))
+
+
 def pin(cpus: frozenset[int], borrow: frozenset[int]) -> None:
     """Pin this process to ``cpus`` (none: as it is); SystemExit, saying which, when either set
-    names a core this process may not run on."""
-    allowed = os.sched_getaffinity(0)
+    names a core this machine does not let it run on."""
+    usable = usable_cpus()
     for option, wanted in (("--cpus", cpus), ("--borrow-cpus", borrow)):
-        if not wanted <= allowed:
+        if not wanted <= usable:
             raise SystemExit(
-                f"{option}: core(s) {','.join(map(str, sorted(wanted - allowed)))} are not among "
-                f"those this process may run on ({','.join(map(str, sorted(allowed)))})"
+                f"{option}: core(s) {','.join(map(str, sorted(wanted - usable)))} are not among "
+                f"those this process may run on ({','.join(map(str, sorted(usable)))})"
             )
     if cpus:
         os.sched_setaffinity(0, cpus)

@@ -159,12 +159,13 @@ def test_borrowed_cores_are_a_prefill_and_decode_option_and_bad_ones_say_what_is
 
 
 def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
-    import os
     import subprocess
     import sys
 
-    outside = max(os.sched_getaffinity(0)) + 1
-    allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    from pdserve.services.cpus import usable_cpus
+
+    outside = max(usable_cpus()) + 1
+    allowed = ",".join(map(str, sorted(usable_cpus())))
     for option in ("--cpus", "--borrow-cpus"):
         r = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "decode", option, str(outside)],
@@ -176,3 +177,24 @@ def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
         assert r.stderr.strip().endswith(
             f"{option}: core(s) {outside} are not among those this process may run on ({allowed})"
         )
+
+
+def test_a_worker_started_by_a_launcher_pinned_elsewhere_may_pin_itself_to_another_core():
+    """A launcher pinned to core 0 (bench/gateway_overhead.py beside its gateway) starts a worker
+    with --cpus 1: the worker inherits {0} and still pins itself to 1."""
+    import subprocess
+    import sys
+
+    from pdserve.services.cpus import usable_cpus
+
+    if len(usable_cpus()) < 2:
+        pytest.skip("needs two cores")
+    first, second = sorted(usable_cpus())[:2]
+    code = (
+        "import os; from pdserve.services.cpus import pin; "
+        f"os.sched_setaffinity(0, {{{first}}}); pin(frozenset({{{second}}}), frozenset({{{first}}})); "
+        "print(sorted(os.sched_getaffinity(0)))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"[{second}]"
