@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import statistics
 import sys
 import time
 
+import aiohttp
 import grpc
 import httpx
 
@@ -85,16 +87,43 @@ async def via_grpc(stub, ids: list[int], params, rid: str) -> RequestResult:
     return r
 
 
-async def via_http(
-    client: httpx.AsyncClient, ids: list[int], output_len: int, rid: str
-) -> RequestResult:
-    body = {
+def _completion(ids: list[int], output_len: int) -> dict:
+    return {
         "prompt": ids,
         "max_tokens": output_len,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
+
+
+async def via_aiohttp(
+    session: aiohttp.ClientSession, ids: list[int], output_len: int, rid: str
+) -> RequestResult:
+    """The HTTP request as ../shared/bench/openai_load.py sends it to OpenAI-style peers (aiohttp:
+    its parser is C, where httpx's is Python and costs this client's core more per event)."""
+    body = _completion(ids, output_len)
+    r = RequestResult(prompt_words=len(ids))
+    start = last = time.perf_counter()
+    try:
+        headers = {"X-Request-Id": rid}
+        async with session.post("/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+            else:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        last = _record(r, start, time.perf_counter(), last, 1)
+    except aiohttp.ClientError as e:
+        r.error = f"{type(e).__name__}: {e}"
+    r.latency = time.perf_counter() - start
+    return r
+
+
+async def via_http(
+    client: httpx.AsyncClient, ids: list[int], output_len: int, rid: str
+) -> RequestResult:
+    body = _completion(ids, output_len)
     r = RequestResult(prompt_words=len(ids))
     start = last = time.perf_counter()
     try:
@@ -129,11 +158,24 @@ async def run_mixed(
     async with (
         grpc.aio.insecure_channel(addrs["worker"]) as wch,
         grpc.aio.insecure_channel(addrs["gateway"]) as gch,
-        httpx.AsyncClient(
-            base_url=f"http://{addrs['http']}",
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        ) as client,
+        contextlib.AsyncExitStack() as stack,
     ):
+        base_url = f"http://{addrs['http']}"
+        if args.http_client == "httpx":
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base_url, limits=limits)
+            )
+            via = via_http
+        else:
+            client = await stack.enter_async_context(
+                aiohttp.ClientSession(
+                    base_url=base_url,
+                    connector=aiohttp.TCPConnector(limit=0),
+                    timeout=aiohttp.ClientTimeout(total=600),
+                )
+            )
+            via = via_aiohttp
         worker = worker_pb2_grpc.DecodeStub(wch)
         gateway = generation_pb2_grpc.GenerationStub(gch)
 
@@ -145,7 +187,7 @@ async def run_mixed(
             elif mode == "grpc":
                 r = await via_grpc(gateway, ids, params, rid)
             else:
-                r = await via_http(client, ids, args.output_len, rid)
+                r = await via(client, ids, args.output_len, rid)
             if sent is not None and not r.error:
                 sent.append(Sent(mode, rid, start_ns, r.latency, r.ttft, r.ttft + sum(r.itl)))
             return r
@@ -181,6 +223,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--http-client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="the HTTP mode's client library (aiohttp, as the peers' load generator; httpx's "
+        "Python parser costs this process more CPU an event)",
+    )
     p.add_argument(
         "--client-cpu",
         type=int,
