@@ -38,6 +38,7 @@ DEFAULT_BLOCK_SIZE = 16  # what a request's blocks are counted in before any rep
 KV_HOLD_MARGIN = 2.0  # times the wait expected at the prefill worker that a KV hold allows
 KV_HOLD_TOKEN_S = 0.02  # a KV hold's seconds per prompt token while the worker has measured none
 MAX_KV_HOLD_S = 3600.0  # unless --kv-timeout itself is longer
+HIT_SHARE_WEIGHT = 0.25  # of each answer in a worker's hit share (cost.record_hits)
 
 
 def summary_from_proto(m: worker_pb2.PrefixSummary) -> PrefixSummary | None:
@@ -110,9 +111,9 @@ def typical_token_s(pool: list[Worker], now: float, stale_s: float) -> float:
     return sum(known) / len(known) if known else DEFAULT_TOKEN_S
 
 
-def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
-    """Prompt tokens ``w`` is expected to find cached: the leading blocks in its filter or
-    sent there by this gateway lately; none when its fresh report carries no summary (its
+def believed_cached(w: Worker, job: Job, r: Report | None) -> int:
+    """Prompt tokens ``w``'s filter and the prompts sent there by this gateway lately say it
+    holds: the leading blocks found in either; none when its fresh report carries no summary (its
     prefix caching is off, or the summary did not parse)."""
     if r is not None and r.summary is None:
         return 0
@@ -126,6 +127,27 @@ def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
             break
         n += 1
     return n * block_size
+
+
+def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
+    """Prompt tokens ``w`` is expected to find cached: what it is believed to hold
+    (``believed_cached``) times the share of such a prefix its prompts have been finding there
+    (``record_hits``)."""
+    return int(believed_cached(w, job, r) * w.hit_share)
+
+
+def record_hits(w: Worker, expected: int, found: int) -> None:
+    """A prompt sent to ``w`` believed to find ``expected`` prompt tokens cached there
+    (``believed_cached`` at routing) found ``found``. Where a worker is sent more sessions than its cache holds, the
+    filter and the prompts sent lately say a session's history is there when it has been
+    evicted since: each such prompt computes its history again, the router's queue estimate
+    counted only the new turn, and more sessions followed (a TTFT p99 of 8-11 s against round
+    robin's 3-4 at 16 sessions, docs/benchmarks.md). The share found discounts what the router
+    expects there until prompts find their prefixes again."""
+    if expected <= 0:
+        return
+    share = min(1.0, found / expected)
+    w.hit_share += HIT_SHARE_WEIGHT * (share - w.hit_share)
 
 
 def prefill_estimate(

@@ -411,6 +411,7 @@ class Gateway:
         # prefill work is counted in the prompt tokens to compute there (its cached prefix off)
         now, stale_s = costs.now(), self.router.stale_s
         prefill_todo = costs.tokens_to_compute(prefill, job, now, stale_s)
+        believed = costs.believed_cached(prefill, job, costs.fresh_report(prefill, now, stale_s))
         hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
@@ -455,6 +456,7 @@ class Gateway:
                 prefill.progressed()
                 computed = len(ids) - resp.cached_prompt_tokens
                 placement.record_prefill(prefill, queued, computed, time.perf_counter() - began)
+                costs.record_hits(prefill, believed, resp.cached_prompt_tokens)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
                 raise call_failed(prefill, e) from None
             finally:

@@ -50,6 +50,10 @@ class Worker:
     recent_hashes: set = field(default_factory=set, repr=False)
     _older_hashes: set = field(default_factory=set, repr=False)
     recent_block_size: int = 0
+    # The share of the cached prefix this gateway expected there that its prompts found there
+    # (an average over its answers, cost.record_hits): below 1 while its cache evicts what the
+    # gateway believes it holds (more sessions sent there than it can keep).
+    hit_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.channel is None:

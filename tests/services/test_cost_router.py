@@ -16,9 +16,11 @@ from pdserve.services.gateway.cost import (
     MAX_KV_HOLD_S,
     Job,
     Report,
+    believed_cached,
     kv_hold_s,
     prefill_estimate,
     prompt_sent,
+    record_hits,
     rendezvous,
     tokens_to_compute,
 )
@@ -187,6 +189,37 @@ def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel
     assert pick(router, [a, b], chat(1)) == "prefill-a"
     a.reported(report())  # ...two later, only what the report says counts
     assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
+
+
+def test_a_worker_whose_prompts_miss_the_prefix_expected_there_counts_for_what_they_find(channel):
+    """More sessions sent to a worker than its cache holds: its filter still lists a session's
+    history when the prompt arrives, but the history was evicted and is computed again. Its
+    answers say so, and the router stops expecting that prefix there until they find it again."""
+    a, b = worker(channel, "prefill-a"), worker(channel, "prefill-b")
+    history = list(range(5000, 5400))  # 400 tokens of the session's earlier turns
+    job = Job(SYSTEM + history + list(range(40)), max_tokens=32)  # 1,040 tokens
+    a.reported(report(queue_s=0.2, cached=SYSTEM + history))  # lists 62 blocks: 992 tokens
+    b.reported(report(cached=SYSTEM))  # 37 blocks: 592 tokens
+    router = Router("cost", stale_s=STALE_S)
+    # a: 0.2 + (1040 - 992) * 1 ms = 0.248 s; b: (1040 - 592) * 1 ms = 0.448 s
+    assert prefill_estimate(a, job, NOW, STALE_S) == pytest.approx((0.248, 992))
+    assert pick(router, [a, b], job) == "prefill-a"
+    for _ in range(4):  # each found the system prompt only
+        record_hits(a, believed_cached(a, job, a.report), 592)
+    # each answer weighs 0.25: 1 - (1 - 592/992) * (1 - 0.75^4) = 0.724
+    assert a.hit_share == pytest.approx(1 - (1 - 592 / 992) * (1 - 0.75**4))
+    cached = int(992 * a.hit_share)
+    assert prefill_estimate(a, job, NOW, STALE_S) == pytest.approx(
+        (0.2 + (1040 - cached) / 1e3, cached)
+    )
+    assert pick(router, [a, b], job) == "prefill-b"  # 0.2 + > 0.3 s against 0.448 s
+    assert b.hit_share == 1.0
+    for _ in range(8):  # then its prompts found what was expected (or more) again
+        record_hits(a, believed_cached(a, job, a.report), 992)
+    assert a.hit_share > 0.95
+    assert pick(router, [a, b], job) == "prefill-a"
+    record_hits(a, 0, 0)  # nothing expected: nothing learnt
+    assert a.hit_share > 0.95
 
 
 def test_a_worker_that_reports_no_prefix_summary_is_expected_to_cache_nothing(channel):
