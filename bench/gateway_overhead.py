@@ -97,47 +97,36 @@ def _completion(ids: list[int], output_len: int) -> dict:
     }
 
 
-async def via_aiohttp(
-    session: aiohttp.ClientSession, ids: list[int], output_len: int, rid: str
-) -> RequestResult:
-    """The HTTP request as ../shared/bench/openai_load.py sends it to OpenAI-style peers (aiohttp:
-    its parser is C, where httpx's is Python and costs this client's core more per event)."""
-    body = _completion(ids, output_len)
-    r = RequestResult(prompt_words=len(ids))
-    start = last = time.perf_counter()
-    try:
-        headers = {"X-Request-Id": rid}
-        async with session.post("/v1/completions", json=body, headers=headers) as resp:
-            if resp.status != 200:
-                r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-            else:
-                async for line in resp.content:
-                    if line.startswith(b"data: {"):
-                        last = _record(r, start, time.perf_counter(), last, 1)
-    except aiohttp.ClientError as e:
-        r.error = f"{type(e).__name__}: {e}"
-    r.latency = time.perf_counter() - start
-    return r
-
-
-async def via_http(
-    client: httpx.AsyncClient, ids: list[int], output_len: int, rid: str
-) -> RequestResult:
-    body = _completion(ids, output_len)
-    r = RequestResult(prompt_words=len(ids))
-    start = last = time.perf_counter()
-    try:
-        headers = {"X-Request-Id": rid}
+@contextlib.asynccontextmanager
+async def _completion_stream(client, body: dict, headers: dict):
+    """POST a streaming completion through ``client``, an aiohttp session (its parser is C, as
+    ../shared/bench/openai_load.py sends to OpenAI-style peers) or an httpx client (its parser
+    is Python and costs this process more CPU an event): (status, its lines, the event prefix
+    in their type, a coroutine reading the body)."""
+    if isinstance(client, httpx.AsyncClient):
         async with client.stream(
             "POST", "/v1/completions", json=body, headers=headers, timeout=600
         ) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            yield resp.status_code, resp.aiter_lines(), "data: {", resp.aread
+    else:
+        async with client.post("/v1/completions", json=body, headers=headers) as resp:
+            yield resp.status, resp.content, b"data: {", resp.read
+
+
+async def via_http(client, ids: list[int], output_len: int, rid: str) -> RequestResult:
+    body = _completion(ids, output_len)
+    r = RequestResult(prompt_words=len(ids))
+    start = last = time.perf_counter()
+    try:
+        headers = {"X-Request-Id": rid}
+        async with _completion_stream(client, body, headers) as (status, lines, event, read):
+            if status != 200:
+                r.error = f"HTTP {status}: {(await read())[:200]!r}"
             else:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: {"):
+                async for line in lines:
+                    if line.startswith(event):
                         last = _record(r, start, time.perf_counter(), last, 1)
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, httpx.HTTPError) as e:
         r.error = f"{type(e).__name__}: {e}"
     r.latency = time.perf_counter() - start
     return r
@@ -166,7 +155,6 @@ async def run_mixed(
             client = await stack.enter_async_context(
                 httpx.AsyncClient(base_url=base_url, limits=limits)
             )
-            via = via_http
         else:
             client = await stack.enter_async_context(
                 aiohttp.ClientSession(
@@ -175,7 +163,6 @@ async def run_mixed(
                     timeout=aiohttp.ClientTimeout(total=600),
                 )
             )
-            via = via_aiohttp
         worker = worker_pb2_grpc.DecodeStub(wch)
         gateway = generation_pb2_grpc.GenerationStub(gch)
 
@@ -187,7 +174,7 @@ async def run_mixed(
             elif mode == "grpc":
                 r = await via_grpc(gateway, ids, params, rid)
             else:
-                r = await via(client, ids, args.output_len, rid)
+                r = await via_http(client, ids, args.output_len, rid)
             if sent is not None and not r.error:
                 sent.append(Sent(mode, rid, start_ns, r.latency, r.ttft, r.ttft + sum(r.itl)))
             return r
