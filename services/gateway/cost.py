@@ -214,6 +214,12 @@ def tokens_to_compute(worker: Worker, job: Job, now: float, stale_s: float) -> i
     return len(job.prompt_ids) - cached_tokens(worker, job, fresh_report(worker, now, stale_s))
 
 
+def prompt_ended(worker: Worker, job: Job, computed: bool = True) -> None:
+    """The prompt ``prompt_sent`` sent to ``worker`` has ended there (``Worker.prompt_ended``)."""
+    if worker.recent_block_size:
+        worker.prompt_ended(job.hashes(worker.recent_block_size), computed)
+
+
 def prompt_sent(worker: Worker, job: Job) -> None:
     """The prompt has been sent to ``worker``: its blocks count as cached there from now on. A
     prompt sharing its prefix that arrives while it is computed waits there for it and reuses it

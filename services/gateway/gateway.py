@@ -398,6 +398,7 @@ class Gateway:
             worker.done(sent_at, todo, blocks)
             if prefilling:
                 worker.local_prefill_tokens -= todo
+            costs.prompt_ended(worker, job, computed=not prefilling)
             worker.calls.discard(call)
             call.cancel()
             await self._released()
@@ -429,13 +430,14 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
-        prefill_done = False
+        prefill_done = prefilled = admitted = False
         try:
             reader = read(call, decode)
             first = await anext(reader, None)
             if first is None or not first.HasField("admitted"):
                 raise WorkerFailed(decode, "decode worker did not admit the request")
             costs.prompt_sent(decode, job)  # it keeps the prompt's blocks (decode-side reuse)
+            admitted = True
             prefill_call = prefill.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=rid,
@@ -453,6 +455,7 @@ class Gateway:
             began = time.perf_counter()
             try:
                 resp = await prefill_call
+                prefilled = True
                 prefill.progressed()
                 computed = len(ids) - resp.cached_prompt_tokens
                 placement.record_prefill(prefill, queued, computed, time.perf_counter() - began)
@@ -463,6 +466,7 @@ class Gateway:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= prefill_todo
                 prefill.done(prefill_sent_at, prefill_todo)
+                costs.prompt_ended(prefill, job, prefilled)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
@@ -471,6 +475,8 @@ class Gateway:
         finally:
             decode.outstanding_tokens -= cost
             decode.done(decode_sent_at, 0, blocks)
+            if admitted:
+                costs.prompt_ended(decode, job, prefilled)
             decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= prefill_todo

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,8 +46,11 @@ class Worker:
     unreported_tokens: int = 0  # prompt tokens of requests sent since, still running there
     unreported_requests: int = 0
     unreported_blocks: int = 0  # KV blocks those requests take (decode workers)
-    # block hashes of the prompts sent there in this heartbeat period and the one before
-    # (their blocks are cached there, but maybe not in its last report yet), and their block size
+    # block hashes of the prompts sent there and still there (in flight), and of those that
+    # ended there in this heartbeat period and the one before (their blocks are cached there,
+    # but maybe not in its last report yet; after that the reports say whether they still are),
+    # and their block size
+    _in_flight_hashes: Counter = field(default_factory=Counter, repr=False)
     recent_hashes: set = field(default_factory=set, repr=False)
     _older_hashes: set = field(default_factory=set, repr=False)
     recent_block_size: int = 0
@@ -93,11 +97,31 @@ class Worker:
         """A prompt of these block hashes was sent here (its blocks are, or are being, cached)."""
         if block_size != self.recent_block_size:
             self.recent_hashes, self._older_hashes = set(), set()
+            self._in_flight_hashes = Counter()
             self.recent_block_size = block_size
-        self.recent_hashes.update(block_hashes)
+        self._in_flight_hashes.update(block_hashes)
+
+    def prompt_ended(self, block_hashes: list[bytes], computed: bool) -> None:
+        """The prompt ``prompt_cached`` was told of has ended here: its blocks count as cached
+        until two reports have come since (one built before it ended may lack them); then the
+        reports alone say, as they are newer. Counting them from the send for two periods kept a
+        session's history "cached" after the worker had evicted it (a turn ~5 s later, within
+        two 3 s periods). ``computed``: False when it failed before its blocks were there."""
+        in_flight = self._in_flight_hashes
+        for h in block_hashes:
+            if in_flight[h] > 1:
+                in_flight[h] -= 1
+            else:
+                in_flight.pop(h, None)
+        if computed:
+            self.recent_hashes.update(block_hashes)
 
     def cached_recently(self, block_hash: bytes) -> bool:
-        return block_hash in self.recent_hashes or block_hash in self._older_hashes
+        return (
+            block_hash in self._in_flight_hashes
+            or block_hash in self.recent_hashes
+            or block_hash in self._older_hashes
+        )
 
     def reported(self, report) -> None:
         """A heartbeat's stats arrived: they count every request sent before."""

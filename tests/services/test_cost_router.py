@@ -185,10 +185,26 @@ def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel
     first = chat(0)
     a.prompt_cached(first.hashes(16), 16)
     assert pick(router, [a, b], chat(1)) == "prefill-a"  # the system prompt's 37 blocks
-    a.reported(report())  # one report later it is still remembered...
+    for _ in range(3):  # while it is there, reports that lack it do not count
+        a.reported(report())
     assert pick(router, [a, b], chat(1)) == "prefill-a"
-    a.reported(report())  # ...two later, only what the report says counts
+    a.prompt_ended(first.hashes(16), computed=True)
+    a.reported(report())  # one report after it ended it is still remembered (built before?)...
+    assert pick(router, [a, b], chat(1)) == "prefill-a"
+    a.reported(report())  # ...two later, only what the reports say counts: evicted since
     assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
+
+
+def test_a_prompt_that_failed_before_its_blocks_were_there_is_not_remembered(channel):
+    a = worker(channel, "prefill-a")
+    a.reported(report())
+    first = chat(0)
+    a.prompt_cached(first.hashes(16), 16)
+    a.prompt_cached(first.hashes(16), 16)  # two prompts of it in flight
+    a.prompt_ended(first.hashes(16), computed=False)
+    assert a.cached_recently(first.hashes(16)[0])  # the other is still there
+    a.prompt_ended(first.hashes(16), computed=False)
+    assert not a.cached_recently(first.hashes(16)[0])
 
 
 def test_a_worker_whose_prompts_miss_the_prefix_expected_there_counts_for_what_they_find(channel):
