@@ -16,8 +16,9 @@ gateway's own requests in flight, as ``least_loaded`` does.
     decode worker:   (blocks for the request not free, sequences running and waiting, -free blocks)
 
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
-among the prompts this gateway has sent there in the last two heartbeat periods (maybe not in a
-filter yet, maybe still being computed: a prompt that shares it waits for it there).
+among the prompts this gateway has sent there that are still there or ended less than two reports
+ago (maybe not in a filter yet, maybe still being computed: a prompt that shares it waits for it
+there), times the share of such prefixes its prompts have found there (``record_hits``).
 """
 
 from __future__ import annotations
