@@ -134,7 +134,12 @@ def cached_tokens(w: Worker, job: Job, r: Report | None) -> int:
     """Prompt tokens ``w`` is expected to find cached: what it is believed to hold
     (``believed_cached``) times the share of such a prefix its prompts have been finding there
     (``record_hits``)."""
-    return int(believed_cached(w, job, r) * w.hit_share)
+    return discounted(w, believed_cached(w, job, r))
+
+
+def discounted(w: Worker, believed: int) -> int:
+    """Of ``believed`` cached prompt tokens at ``w``, those it is expected to find."""
+    return int(believed * w.hit_share)
 
 
 def record_hits(w: Worker, expected: int, found: int) -> None:
@@ -212,10 +217,17 @@ def tokens_to_compute(worker: Worker, job: Job, now: float, stale_s: float) -> i
     """The prompt tokens ``worker`` is expected to compute for ``job``: what is added to its queue
     until its next report (its cached prefix is not work; the report's queue does not count it
     either)."""
-    return len(job.prompt_ids) - cached_tokens(worker, job, fresh_report(worker, now, stale_s))
+    return work_and_belief(worker, job, now, stale_s)[0]
 
 
-def prompt_ended(worker: Worker, job: Job, computed: bool = True) -> None:
+def work_and_belief(worker: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int]:
+    """(``tokens_to_compute``, ``believed_cached``): what a prefill is sent with, and what its
+    answer is held against (``record_hits``), from one look at the worker's filter."""
+    believed = believed_cached(worker, job, fresh_report(worker, now, stale_s))
+    return len(job.prompt_ids) - discounted(worker, believed), believed
+
+
+def prompt_ended(worker: Worker, job: Job, computed: bool) -> None:
     """The prompt ``prompt_sent`` sent to ``worker`` has ended there (``Worker.prompt_ended``)."""
     if worker.recent_block_size:
         worker.prompt_ended(job.hashes(worker.recent_block_size), computed)

@@ -411,8 +411,7 @@ class Gateway:
         cost = len(ids) + params.max_tokens
         # prefill work is counted in the prompt tokens to compute there (its cached prefix off)
         now, stale_s = costs.now(), self.router.stale_s
-        prefill_todo = costs.tokens_to_compute(prefill, job, now, stale_s)
-        believed = costs.believed_cached(prefill, job, costs.fresh_report(prefill, now, stale_s))
+        prefill_todo, believed = costs.work_and_belief(prefill, job, now, stale_s)
         hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
