@@ -11,6 +11,7 @@ rather than taken from a data sheet (the roofline's own bandwidth is a read-only
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -59,11 +60,13 @@ def gpu_description(device: torch.device) -> str:
     return f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
 
 
-def launches_per_step(engine, prompt: list[int], steps: int = 4) -> dict[str, float]:
+def launches_per_step(engine, prompt: list[int], steps: int = 4) -> dict:
     """What the GPU runs per batch-1 decode step of ``engine``: kernels and memory copies
-    (torch.profiler's CUDA activity, over ``steps`` steps of one request with ``prompt``). On a
-    host that launches slowly a step is bound by their count (the first GPU run: ~41 kernels a
-    layer, ~1 ms a layer on an H100 VM); {} if the profiler saw no CUDA activity."""
+    (torch.profiler's CUDA activity, over ``steps`` steps of one request with ``prompt``), the
+    time the device was busy with them against the step's wall time, and the kernels that took
+    most of it. On a host that launches slowly a step is bound by their count (the first GPU
+    run: ~41 kernels a layer, ~1 ms a layer on an H100 VM); a step whose device is busy most of
+    it is bound by the kernels themselves. {} if the profiler saw no CUDA activity."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, supported_activities
 
@@ -78,17 +81,36 @@ def launches_per_step(engine, prompt: list[int], steps: int = 4) -> dict[str, fl
         if ProfilerActivity.CUDA not in supported_activities():  # a CPU-only torch
             return {}
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
+            wall = time.perf_counter() - start
     finally:
         engine.abort_request("launch-count")
     kernels = copies = 0
+    busy_us: dict[str, list[float]] = {}  # name -> [microseconds, count]
     for event in prof.events():
         if event.device_type != DeviceType.CUDA:
             continue
-        if "memcpy" in event.name.lower() or "memset" in event.name.lower():
+        name = event.name.lower()
+        if "memcpy" in name or "memset" in name:
             copies += 1
         else:
             kernels += 1
-    return {"kernels": kernels / steps, "copies": copies / steps} if kernels else {}
+        spent = busy_us.setdefault(event.name, [0.0, 0])
+        spent[0] += event.time_range.elapsed_us()
+        spent[1] += 1
+    if not kernels:
+        return {}
+    ranked = sorted(busy_us.items(), key=lambda kv: -kv[1][0])
+    return {
+        "kernels": kernels / steps,
+        "copies": copies / steps,
+        "step_ms": 1e3 * wall / steps,
+        "busy_ms": sum(us for us, _ in busy_us.values()) / 1e3 / steps,
+        "top": [
+            {"name": name, "ms": us / 1e3 / steps, "count": n / steps}
+            for name, (us, n) in ranked[:8]
+        ],
+    }

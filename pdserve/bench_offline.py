@@ -355,7 +355,9 @@ def run_offline_bench(args) -> dict:
 
         add_mbu(result, rl, steps, engine.runner.device)
         try:  # a diagnostic: never fails the benchmark
-            prompt = random_prompt(random.Random(1), engine.model_config.vocab_size, 32)
+            prompt = random_prompt(
+                random.Random(1), engine.model_config.vocab_size, args.prompt_len
+            )
             result["launches_per_decode_step"] = launches_per_step(engine, prompt)
         except Exception as exc:  # noqa: BLE001
             result["launches_per_decode_step"] = {"error": repr(exc)}
@@ -385,7 +387,12 @@ def run_offline_bench(args) -> dict:
         layers = engine.model_config.num_layers
         print(
             f"GPU work per batch-1 decode step: {launches['kernels']:.0f} kernels "
-            f"({launches['kernels'] / layers:.1f} a layer), {launches['copies']:.0f} copies"
+            f"({launches['kernels'] / layers:.1f} a layer), {launches['copies']:.0f} copies; "
+            f"the device busy {launches['busy_ms']:.2f} ms of a {launches['step_ms']:.2f} ms step "
+            f"(profiled); most time: "
+            + ", ".join(
+                f"{k['name'][:60]} {k['ms']:.3f} ms ({k['count']:.0f}x)" for k in launches["top"]
+            )
             if "kernels" in launches
             else f"GPU work per decode step: not counted ({launches.get('error', 'no CUDA events')})"
         )
