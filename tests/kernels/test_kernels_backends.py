@@ -90,6 +90,26 @@ def test_decode_blocks_longer_than_a_tile(backend, device, dtype, paged_case, de
     close(out, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 32**-0.5), dtype)
 
 
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=GPU)]
+)
+@pytest.mark.parametrize("splits", [2, 3, 8, 32])
+def test_triton_decode_split_along_the_context(device, splits, paged_case, dense, close):
+    """The context shared among several programs, combined after: more splits than a short
+    sequence has blocks (empty splits), uneven shares, and a padding row with no context."""
+    kernels = load_backend("triton", device)
+    lens = [*CONTEXT_LENS, 0]
+    case = paged_case(lens[:-1], 3, 64, 16, torch.bfloat16, device=device)
+    q = torch.randn(len(lens), 9, 64).to(torch.bfloat16).to(device)
+    tables = torch.cat([case.block_tables, case.block_tables[:1]])
+    context_lens = torch.cat([case.context_lens, case.context_lens.new_zeros(1)])
+    args = (q, case.k_cache, case.v_cache, tables, context_lens, 64**-0.5)
+    out = kernels.decode_attention.split_decode_attention(*args, splits)
+    want = dense(q[:-1], case.seq_k, case.seq_v, [1] * len(CONTEXT_LENS), 64**-0.5)
+    close(out[:-1], want, torch.bfloat16)
+    assert torch.equal(out[-1].float(), torch.zeros_like(out[-1].float()))
+
+
 # (new tokens, cached prefix) per sequence, packed into one batch
 PREFILL_NO_PREFIX = [(1, 0), (15, 0), (16, 0), (17, 0), (40, 0)]
 PREFILL_CHUNKED = [(7, 9), (5, 16), (16, 16), (33, 67), (1, 99)]
