@@ -4,7 +4,8 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
 
 - ``write_kv(k_cache, v_cache, k, v, slot_mapping)``
 - ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> out``
-- ``prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> out``
+- ``prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+  max_query_len=None) -> out``
 - ``gather_blocks(cache, block_ids) -> buf`` / ``scatter_blocks(cache, block_ids, buf)``
 - ``linear(x, weight, bias=None) -> y`` (``x @ weight.T + bias``, the model's projections)
 - ``rms_norm(x, weight, eps, residual=None) -> (out, residual)``,

@@ -99,6 +99,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for several sequences' new tokens, packed, over their paged contexts.
 
@@ -109,6 +110,10 @@ def prefill_attention(
         positions  0 ........ prefix-1 | prefix ........ context_len-1
                    cached (earlier chunk | new tokens = this sequence's rows of q
                    or a reused prefix)   |
+
+    ``max_query_len``: the most new tokens of any one sequence, if the caller knows it (the
+    runner does, on the host): a GPU kernel sizes its grid by it without reading
+    ``query_start_loc`` back. Backends that need no such bound ignore it.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()

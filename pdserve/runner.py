@@ -165,6 +165,7 @@ class ModelRunner:
                 if batch.decodes
                 else None
             ),
+            prefill_max_query_len=max((n for _, n in batch.prefills), default=None),
         )
         sample_indices = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         # the sampled rows alone: each finishing prompt's last token as a one-query prefill over
@@ -183,6 +184,7 @@ class ModelRunner:
             ),
             decode_block_tables=meta.decode_block_tables,
             decode_context_lens=meta.decode_context_lens,
+            prefill_max_query_len=1 if finishing else None,
         )
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

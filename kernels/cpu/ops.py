@@ -168,6 +168,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """See ``reference.prefill_attention``. bf16 with head_dim 64 or 128 on AVX512-BF16: in C
     (``_prefill_native``). Otherwise per sequence, its context gathered once into SDPA.

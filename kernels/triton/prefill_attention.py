@@ -106,6 +106,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """See ``reference.prefill_attention``."""
     num_tokens, num_heads, head_dim = q.shape
@@ -118,7 +119,10 @@ def prefill_attention(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    # Reading the bound back from query_start_loc waits for the device (the third GPU run: at
+    # every layer of a prefill, so the host could not queue the next one): the caller's, else
+    # every token (a tile past its own sequence's tokens returns at once).
+    max_q_len = num_tokens if max_query_len is None else max_query_len
     grid = (num_seqs, num_heads, triton.cdiv(max_q_len, BLOCK_M))
     _prefill_kernel[grid](
         q,

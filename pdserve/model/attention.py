@@ -24,6 +24,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # [num_prefill_seqs] int32, cached + new tokens
     decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decode_seqs] int32, including the new token
+    prefill_max_query_len: int | None = None  # most new tokens of a prefill sequence, if known
 
 
 @dataclass
@@ -62,6 +63,7 @@ def paged_attention(
                 meta.prefill_query_start_loc,
                 meta.prefill_context_lens,
                 scale,
+                meta.prefill_max_query_len,
             )
         )
     if n < q.shape[0]:

@@ -6,6 +6,7 @@ equal bit for bit; torch's fallbacks may pick other kernels for other shapes: cl
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -43,6 +44,12 @@ def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
         else:
             torch.testing.assert_close(logits, every, rtol=0.02, atol=0.05)
         meta = inputs.meta
+        for m in (meta, inputs.rows.meta):  # the bound a GPU kernel's grid is sized by, on the host
+            if m.num_prefill_tokens:
+                starts = m.prefill_query_start_loc.tolist()
+                assert m.prefill_max_query_len == max(b - a for a, b in itertools.pairwise(starts))
+            else:
+                assert m.prefill_max_query_len is None
         seen["steps"] += 1
         seen["mixed"] += bool(meta.num_prefill_tokens and meta.decode_block_tables is not None)
         seen["unfinished_chunk"] += inputs.rows.meta.num_prefill_tokens < (
