@@ -309,7 +309,14 @@ def write_header(buf: torch.Tensor, header: LayerHeader) -> None:
     the last layer's, framed after sampling: in-place writes to one need inference mode."""
     raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
     with torch.inference_mode():
-        buf[:HEADER_NBYTES].copy_(raw)
+        if buf.is_cuda:
+            # From page-locked memory, in stream order: a copy from pageable memory waits for
+            # the device to finish everything queued before it (at every layer of a prefill that
+            # sends its KV). torch's pinned-memory cache keeps ``pinned`` until the copy has run.
+            pinned = torch.empty(HEADER_NBYTES, dtype=torch.uint8, pin_memory=True).copy_(raw)
+            buf[:HEADER_NBYTES].copy_(pinned, non_blocking=True)
+        else:
+            buf[:HEADER_NBYTES].copy_(raw)
 
 
 def write_message(buf: torch.Tensor, header: LayerHeader, k: torch.Tensor, v: torch.Tensor) -> int:

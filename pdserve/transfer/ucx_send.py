@@ -48,6 +48,7 @@ class _Send:
     deadline: float
     where: str
     request: Any = None
+    ready: Any = None  # torch.cuda.Event: the message's writes on its device have run
 
 
 @dataclass(eq=False)
@@ -106,11 +107,13 @@ class UCXSender:
         else:
             msg = self._messages.take(header.num_blocks, k.device)
             write_message(msg.buf, header, k, v)
-        if msg.buf.is_cuda:
-            torch.cuda.current_stream(msg.buf.device).synchronize()  # UCX knows no streams
+        ready = None
+        if msg.buf.is_cuda:  # UCX knows no streams: posted once the writes queued so far have run
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(msg.buf.device))
         where = f"transfer {header.transfer_id} layer {header.layer}"
         tag = message_tag(header.transfer_id, header.layer)
-        return self.enqueue(peer, tag, msg, time.monotonic() + timeout, where)
+        return self.enqueue(peer, tag, msg, time.monotonic() + timeout, where, ready)
 
     def send_small(
         self, peer: UCXPeer, data: bytes, tid: int, sub: int, timeout: float
@@ -122,11 +125,19 @@ class UCXSender:
         return self.enqueue(peer, message_tag(tid, sub), msg, time.monotonic() + timeout, where)
 
     def enqueue(
-        self, peer: UCXPeer, tag: int, msg: Message | RawBuffer, deadline: float, where: str
+        self,
+        peer: UCXPeer,
+        tag: int,
+        msg: Message | RawBuffer,
+        deadline: float,
+        where: str,
+        ready: Any = None,
     ) -> concurrent.futures.Future[None]:
-        """Send ``msg`` under ``tag``: posted by the worker thread soon; fails after ``deadline``."""
+        """Send ``msg`` under ``tag``: posted by the worker thread soon (once ``ready``, a CUDA
+        event, has completed: the calling thread does not wait for its device); fails after
+        ``deadline``."""
         result: concurrent.futures.Future[None] = concurrent.futures.Future()
-        send = _Send(msg, result, deadline, where)
+        send = _Send(msg, result, deadline, where, ready=ready)
         with self._queue_lock:
             self._queue.append((peer, tag, send))
             wake, self._wake_pending = not self._wake_pending, True
@@ -188,6 +199,8 @@ class UCXSender:
                 TransferTimeoutError(f"{send.where}: deadline passed before it was sent")
             )
             return
+        if send.ready is not None:  # the gather and the header on the device (one layer's work)
+            send.ready.synchronize()
         ucx = self._ucx
         msg = send.msg
         if msg.array is None:
