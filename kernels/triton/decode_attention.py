@@ -156,24 +156,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """See ``reference.paged_decode_attention``."""
-    splits = num_splits_for(q.shape[0], k_cache.shape[2], q.device)
-    return split_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, splits)
-
-
-def split_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    splits: int,
-) -> torch.Tensor:
-    """``paged_decode_attention`` with each sequence's context shared among ``splits`` programs
-    per kv head."""
+    """See ``reference.paged_decode_attention``. Each sequence's context is shared among
+    ``num_splits_for`` its batch programs per kv head."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    splits = num_splits_for(num_seqs, num_kv_heads, q.device)
     group = num_heads // num_kv_heads
     if q.stride(2) != 1:
         q = q.contiguous()

@@ -94,7 +94,9 @@ def test_decode_blocks_longer_than_a_tile(backend, device, dtype, paged_case, de
     "device", [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=GPU)]
 )
 @pytest.mark.parametrize("splits", [2, 3, 8, 32])
-def test_triton_decode_split_along_the_context(device, splits, paged_case, dense, close):
+def test_triton_decode_split_along_the_context(
+    device, splits, paged_case, dense, close, monkeypatch
+):
     """The context shared among several programs, combined after: more splits than a short
     sequence has blocks (empty splits), uneven shares, and a padding row with no context."""
     kernels = load_backend("triton", device)
@@ -104,7 +106,9 @@ def test_triton_decode_split_along_the_context(device, splits, paged_case, dense
     tables = torch.cat([case.block_tables, case.block_tables[:1]])
     context_lens = torch.cat([case.context_lens, case.context_lens.new_zeros(1)])
     args = (q, case.k_cache, case.v_cache, tables, context_lens, 64**-0.5)
-    out = kernels.decode_attention.split_decode_attention(*args, splits)
+    monkeypatch.setenv("PDSERVE_DECODE_SPLITS", str(splits))
+    assert kernels.decode_attention.num_splits_for(len(lens), 3, q.device) == splits
+    out = kernels.paged_decode_attention(*args)
     want = dense(q[:-1], case.seq_k, case.seq_v, [1] * len(CONTEXT_LENS), 64**-0.5)
     close(out[:-1], want, torch.bfloat16)
     assert torch.equal(out[-1].float(), torch.zeros_like(out[-1].float()))
