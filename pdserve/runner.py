@@ -65,10 +65,19 @@ class ModelInputs:
     rows: OutputRows  # the same rows, for the model's last layer
 
 
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A step input on ``device``. On a GPU through page-locked memory without waiting: a
+    blocking copy (``torch.tensor(..., device=cuda)``) synchronises the stream, six times a step
+    (the third GPU run's host profile: 0.23 ms of a batch-1 step's 0.6 ms of host work)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     width = max(len(s.block_table) for s in seqs)
     rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+    return _on(device, rows, torch.int32)
 
 
 class ModelRunner:
@@ -150,24 +159,18 @@ class ModelRunner:
             : len(sampling_seqs) - len(batch.decodes)
         ]  # prompts done this step
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=_on(dev, slots, torch.int64),
             num_prefill_tokens=num_prefill_tokens,
             prefill_block_tables=_block_tables(prefill_seqs, dev) if prefill_seqs else None,
-            prefill_query_start_loc=torch.tensor(query_start, dtype=i32, device=dev)
-            if prefill_seqs
-            else None,
-            prefill_context_lens=torch.tensor(prefill_context, dtype=i32, device=dev)
-            if prefill_seqs
-            else None,
+            prefill_query_start_loc=_on(dev, query_start, i32) if prefill_seqs else None,
+            prefill_context_lens=_on(dev, prefill_context, i32) if prefill_seqs else None,
             decode_block_tables=_block_tables(batch.decodes, dev) if batch.decodes else None,
             decode_context_lens=(
-                torch.tensor([s.num_tokens for s in batch.decodes], dtype=i32, device=dev)
-                if batch.decodes
-                else None
+                _on(dev, [s.num_tokens for s in batch.decodes], i32) if batch.decodes else None
             ),
             prefill_max_query_len=max((n for _, n in batch.prefills), default=None),
         )
-        sample_indices = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        sample_indices = _on(dev, sample_rows, torch.long)
         # the sampled rows alone: each finishing prompt's last token as a one-query prefill over
         # its whole context, then the decode tokens as they are
         rows_meta = AttentionMetadata(
@@ -178,17 +181,15 @@ class ModelRunner:
                 torch.arange(len(finishing) + 1, dtype=i32, device=dev) if finishing else None
             ),
             prefill_context_lens=(
-                torch.tensor([s.num_prompt_tokens for s in finishing], dtype=i32, device=dev)
-                if finishing
-                else None
+                _on(dev, [s.num_prompt_tokens for s in finishing], i32) if finishing else None
             ),
             decode_block_tables=meta.decode_block_tables,
             decode_context_lens=meta.decode_context_lens,
             prefill_max_query_len=1 if finishing else None,
         )
         return ModelInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=_on(dev, ids, torch.long),
+            positions=_on(dev, positions, torch.long),
             meta=meta,
             sample_indices=sample_indices,
             sampling_seqs=sampling_seqs,
