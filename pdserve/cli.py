@@ -46,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=EngineConfig.threads,
-        help="torch threads (default: all cores)",
+        help="torch threads (default: all cores; a worker pinned with --cpus: one per core of it)",
     )
     p.add_argument(
         "--kv-cache-bytes",

@@ -95,7 +95,9 @@ def cmd_worker(args) -> int:
     from pdserve.services.process import run
 
     borrow = getattr(args, "borrow_cpus", frozenset())  # prefill and decode workers only
-    cpus.pin(args.cpus, borrow)
+    cpus.pin(args.cpus, borrow, args.threads)
+    if args.cpus and args.threads is None:  # one thread per core it is pinned to
+        args.threads = len(args.cpus)
     return run(
         serve_worker(
             WorkerOptions(

@@ -63,9 +63,17 @@ def usable_cpus() -> frozenset[int]:
     return frozenset(range(os.cpu_count() or 1))
 
 
-def pin(cpus: frozenset[int], borrow: frozenset[int]) -> None:
+def pin(cpus: frozenset[int], borrow: frozenset[int], threads: int | None = None) -> None:
     """Pin this process to ``cpus`` (none: as it is); SystemExit, saying which, when either set
-    names a core this machine does not let it run on."""
+    names a core this machine does not let it run on, or when ``threads`` (the engine's) are
+    more than ``cpus`` has cores."""
+    if cpus and threads is not None and threads > len(cpus):
+        raise SystemExit(
+            f"--threads {threads} is more than the {len(cpus)} core(s) of --cpus "
+            f"{','.join(map(str, sorted(cpus)))}: threads that share a core wait for each other "
+            "at every step's barriers (a step ~35x slower, measured); give --cpus a core per "
+            "thread, or fewer threads"
+        )
     usable = usable_cpus()
     for option, wanted in (("--cpus", cpus), ("--borrow-cpus", borrow)):
         if not wanted <= usable:

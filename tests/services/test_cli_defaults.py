@@ -179,6 +179,40 @@ def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
         )
 
 
+def test_pdserve_up_pins_each_worker_to_a_core_per_thread():
+    """`pdserve up --threads-per-worker 2` on two cores pinned its colocated worker's two threads
+    to one core (a W-c32 step 2.5 s instead of ~70 ms)."""
+    from pdserve.services.launcher import _cpu_sets
+
+    assert _cpu_sets(1, 2, [0, 1]) == ["0,1"]
+    assert _cpu_sets(2, 1, [0, 1]) == ["0", "1"]  # the default cluster: a core each
+    assert _cpu_sets(3, 1, [0, 1]) == ["0", "1", "0"]
+    assert _cpu_sets(2, 2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert _cpu_sets(2, 2, [0, 1]) == ["0,1", "0,1"]  # fewer cores than threads: they share
+    assert _cpu_sets(1, 4, [4, 6]) == ["4,6"]
+
+
+def test_a_worker_with_more_threads_than_its_pinned_cores_says_so_and_exits():
+    import subprocess
+    import sys
+
+    from pdserve.services.cpus import usable_cpus
+
+    core = min(usable_cpus())
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "colocated", "--cpus", str(core), "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().endswith(
+        f"--threads 2 is more than the 1 core(s) of --cpus {core}: threads that share a core wait "
+        "for each other at every step's barriers (a step ~35x slower, measured); give --cpus a "
+        "core per thread, or fewer threads"
+    )
+
+
 def test_a_worker_started_by_a_launcher_pinned_elsewhere_may_pin_itself_to_another_core():
     """A launcher pinned to core 0 (bench/gateway_overhead.py beside its gateway) starts a worker
     with --cpus 1: the worker inherits {0} and still pins itself to 1."""
