@@ -192,6 +192,20 @@ def test_pdserve_up_pins_each_worker_to_a_core_per_thread():
     assert _cpu_sets(1, 4, [4, 6]) == ["4,6"]
 
 
+def test_pdserve_up_warns_when_its_workers_threads_outnumber_the_cores():
+    from pdserve.services.launcher import _oversubscribed
+
+    assert _oversubscribed(2, 1, 2) is None  # the default cluster on 2 cores
+    assert _oversubscribed(1, 2, 2) is None  # one colocated worker, a core per thread
+    assert _oversubscribed(1, 4, 2) is not None  # (pinned, the worker itself also refuses it)
+    assert _oversubscribed(2, 2, 2) == (
+        "pdserve up: 2 workers x 2 threads on 2 core(s): the workers' threads share cores and "
+        "wait for each other (measured on 2 cores: W-c8 167 tok/s with --threads-per-worker 2, "
+        "351 with 1, where each worker also borrows the other's idle core)"
+    )
+    assert _oversubscribed(3, 1, 2) is not None
+
+
 def test_a_worker_with_more_threads_than_its_pinned_cores_says_so_and_exits():
     import subprocess
     import sys
