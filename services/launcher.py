@@ -96,8 +96,8 @@ def _oversubscribed(workers: int, threads: int, cores: int) -> str | None:
         return None
     return (
         f"pdserve up: {workers} workers x {threads} threads on {cores} core(s): the workers' "
-        "threads share cores and wait for each other (measured on 2 cores: W-c8 167 tok/s with "
-        "--threads-per-worker 2, 351 with 1, where each worker also borrows the other's idle "
+        "threads share cores and wait for each other (measured on 2 cores: W-c8 191 tok/s with "
+        "--threads-per-worker 2, 338 with 1, where each worker also borrows the other's idle "
         "core)"
     )
 

@@ -200,8 +200,8 @@ def test_pdserve_up_warns_when_its_workers_threads_outnumber_the_cores():
     assert _oversubscribed(1, 4, 2) is not None  # (pinned, the worker itself also refuses it)
     assert _oversubscribed(2, 2, 2) == (
         "pdserve up: 2 workers x 2 threads on 2 core(s): the workers' threads share cores and "
-        "wait for each other (measured on 2 cores: W-c8 167 tok/s with --threads-per-worker 2, "
-        "351 with 1, where each worker also borrows the other's idle core)"
+        "wait for each other (measured on 2 cores: W-c8 191 tok/s with --threads-per-worker 2, "
+        "338 with 1, where each worker also borrows the other's idle core)"
     )
     assert _oversubscribed(3, 1, 2) is not None
 
