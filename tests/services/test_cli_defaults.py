@@ -159,24 +159,27 @@ def test_borrowed_cores_are_a_prefill_and_decode_option_and_bad_ones_say_what_is
 
 
 def test_a_worker_pinned_or_borrowing_outside_its_cores_says_so_and_exits():
-    import subprocess
-    import sys
 
     from pdserve.services.cpus import usable_cpus
 
     outside = max(usable_cpus()) + 1
     allowed = ",".join(map(str, sorted(usable_cpus())))
     for option in ("--cpus", "--borrow-cpus"):
-        r = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "decode", option, str(outside)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 1, r.stderr
-        assert r.stderr.strip().endswith(
+        assert worker_exit_message("decode", option, str(outside)).endswith(
             f"{option}: core(s) {outside} are not among those this process may run on ({allowed})"
         )
+
+
+def worker_exit_message(*argv: str) -> str:
+    """What ``pdserve <argv>`` says as it exits with status 1 (before it loads a model)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1, r.stderr
+    return r.stderr.strip()
 
 
 def test_pdserve_up_pins_each_worker_to_a_core_per_thread():
@@ -207,20 +210,10 @@ def test_pdserve_up_warns_when_its_workers_threads_outnumber_the_cores():
 
 
 def test_a_worker_with_more_threads_than_its_pinned_cores_says_so_and_exits():
-    import subprocess
-    import sys
-
     from pdserve.services.cpus import usable_cpus
 
     core = min(usable_cpus())
-    r = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "colocated", "--cpus", str(core), "--threads", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().endswith(
+    assert worker_exit_message("colocated", "--cpus", str(core), "--threads", "2").endswith(
         f"--threads 2 is more than the 1 core(s) of --cpus {core}: threads that share a core wait "
         "for each other at every step's barriers (a step ~35x slower, measured); give --cpus a "
         "core per thread, or fewer threads"
