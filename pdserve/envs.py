@@ -32,6 +32,13 @@ def cuda_graphs() -> bool:
     return os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
 
 
+def decode_splits() -> int | None:
+    """A fixed number of programs per (sequence, kv head) for the Triton decode attention
+    (PDSERVE_DECODE_SPLITS; 1 is one program walking the whole context); None: by the batch."""
+    value = os.environ.get("PDSERVE_DECODE_SPLITS")
+    return int(value) if value else None
+
+
 def quant_isa() -> str:
     """Which build of the quantized-weight kernels the CPU backend uses (PDSERVE_QUANT_ISA):
     "native" (default: AVX-512 where the CPU has it, else AVX2), "avx2" or "portable"."""

@@ -80,12 +80,11 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-def _cpu_sets(n: int, threads: int, cores: list[int] | None = None) -> list[str]:
+def _cpu_sets(n: int, threads: int, cores: list[int]) -> list[str]:
     """Spread n workers of ``threads`` threads over the cores: worker i gets ``threads`` cores
     from core i * threads on (mod the number of cores; all of them if there are fewer). One
     core for a two-thread worker made its OpenMP threads wait for each other's time slices at
     every barrier: a colocated W-c32 step took 2.5 s instead of ~70 ms."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     k = min(threads, len(cores))
     return [",".join(str(cores[(i * k + j) % len(cores)]) for j in range(k)) for i in range(n)]
 
@@ -175,8 +174,11 @@ def cmd_up(args) -> int:
         roles = (
             ["prefill"] * args.prefill + ["decode"] * args.decode + ["colocated"] * args.colocated
         )
-        cpus = _cpu_sets(len(roles), args.threads_per_worker) if args.pin else [""] * len(roles)
-        warning = _oversubscribed(len(roles), args.threads_per_worker, len(os.sched_getaffinity(0)))
+        cores = sorted(os.sched_getaffinity(0))
+        cpus = (
+            _cpu_sets(len(roles), args.threads_per_worker, cores) if args.pin else [""] * len(roles)
+        )
+        warning = _oversubscribed(len(roles), args.threads_per_worker, len(cores))
         if warning:
             print(warning, file=sys.stderr, flush=True)
         # a core each with one thread each (the default): each may borrow the other's

@@ -22,11 +22,11 @@ interpreter, and the softmax runs in fp32 anyway).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pdserve import envs
 
 
 @triton.jit
@@ -88,15 +88,13 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
+    head_rows = seq.to(tl.int64) * GROUP * NUM_KV_HEADS + heads  # rows of [seq * heads]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_offs = (seq.to(tl.int64) * GROUP * NUM_KV_HEADS + heads[:, None]) * HEAD_DIM + d[
-            None, :
-        ]
+        out_offs = head_rows[:, None] * HEAD_DIM + d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:  # out_ptr: fp32 [seq, head, split, HEAD_DIM + 2] = unnormalised output, max, sum
-        row = (seq.to(tl.int64) * GROUP * NUM_KV_HEADS + heads) * NUM_SPLITS + split
-        base = row * (HEAD_DIM + 2)
+        base = (head_rows * NUM_SPLITS + split) * (HEAD_DIM + 2)
         tl.store(out_ptr + base[:, None] + d[None, :], acc, mask=qo_mask)
         tl.store(out_ptr + base + HEAD_DIM, m_i, mask=g < GROUP)
         tl.store(out_ptr + base + HEAD_DIM + 1, l_i, mask=g < GROUP)
@@ -134,9 +132,11 @@ _sm_counts: dict[int, int] = {}
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per (sequence, kv head): enough for ~2 programs per SM, at most MAX_SPLITS; one
-    off CUDA (the interpreter); ``PDSERVE_DECODE_SPLITS`` fixes the count (to compare). Depends only on the batch's shape, never on its lengths."""
-    if os.environ.get("PDSERVE_DECODE_SPLITS"):  # a fixed count (1: one program walks it all)
-        return int(os.environ["PDSERVE_DECODE_SPLITS"])
+    off CUDA (the interpreter); ``PDSERVE_DECODE_SPLITS`` fixes the count (to compare). Depends
+    only on the batch's shape, never on its lengths."""
+    fixed = envs.decode_splits()
+    if fixed is not None:
+        return fixed
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
