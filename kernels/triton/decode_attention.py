@@ -11,7 +11,10 @@ One program per (sequence, kv head) walked a 512-token context alone: at batch 1
 programs on a 132-SM GPU, ~98 us a layer, 80 % of an H200's decode step (the third GPU run).
 So a sequence's blocks are shared among ``num_splits`` programs (as many as it takes to give
 the device a few programs per SM, fixed for a batch shape so that a CUDA graph holds it; the
-share of each is worked out from the context length inside the kernel). Each writes its
+share of each is worked out from the context length inside the kernel). The count is an argument,
+not a constant of the compiled kernel: one compiled kernel serves every batch size (as a
+constant, each new batch-size bucket compiled its own while serving, ~0.4 s: the fourth GPU
+run's batch-32 steps). Each writes its
 unnormalised output with its running max and sum; a second kernel combines the splits. With one
 split the first kernel writes the output itself.
 
@@ -29,7 +32,7 @@ import triton.language as tl
 from pdserve import envs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -41,6 +44,7 @@ def _paged_decode_kernel(
     q_seq_stride,
     q_head_stride,
     bt_stride,
+    num_splits,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -48,14 +52,14 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    per_split = tl.cdiv(num_blocks, num_splits)
     first = split * per_split
     last = tl.minimum(first + per_split, num_blocks)
 
@@ -89,34 +93,34 @@ def _paged_decode_kernel(
         m_i = m_new
 
     head_rows = seq.to(tl.int64) * GROUP * NUM_KV_HEADS + heads  # rows of [seq * heads]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_offs = head_rows[:, None] * HEAD_DIM + d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:  # out_ptr: fp32 [seq, head, split, HEAD_DIM + 2] = unnormalised output, max, sum
-        base = (head_rows * NUM_SPLITS + split) * (HEAD_DIM + 2)
+        base = (head_rows * num_splits + split) * (HEAD_DIM + 2)
         tl.store(out_ptr + base[:, None] + d[None, :], acc, mask=qo_mask)
         tl.store(out_ptr + base + HEAD_DIM, m_i, mask=g < GROUP)
         tl.store(out_ptr + base + HEAD_DIM + 1, l_i, mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_combine_kernel(
     part_ptr,
     out_ptr,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     """One program per (sequence, query head): the splits' outputs weighed by their sums."""
     row = tl.program_id(0).to(tl.int64)  # seq * num_heads + head
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    base = (row * NUM_SPLITS + sp) * (HEAD_DIM + 2)
-    m = tl.load(part_ptr + base + HEAD_DIM, mask=sp < NUM_SPLITS, other=float("-inf"))
-    l_s = tl.load(part_ptr + base + HEAD_DIM + 1, mask=sp < NUM_SPLITS, other=0.0)
-    mask = (sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
+    base = (row * num_splits + sp) * (HEAD_DIM + 2)
+    m = tl.load(part_ptr + base + HEAD_DIM, mask=sp < num_splits, other=float("-inf"))
+    l_s = tl.load(part_ptr + base + HEAD_DIM + 1, mask=sp < num_splits, other=0.0)
+    mask = (sp < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
     acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=mask, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no context at all (a padding row)
@@ -136,6 +140,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> in
     only on the batch's shape, never on its lengths."""
     fixed = envs.decode_splits()
     if fixed is not None:
+        if not 1 <= fixed <= MAX_SPLITS:
+            raise ValueError(f"PDSERVE_DECODE_SPLITS={fixed}: allowed 1 to {MAX_SPLITS}")
         return fixed
     if device.type != "cuda":
         return 1
@@ -186,6 +192,7 @@ def paged_decode_attention(
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
+        splits,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -193,15 +200,15 @@ def paged_decode_attention(
         GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_N=triton.next_power_of_2(block_size),
-        NUM_SPLITS=splits,
+        SPLIT=splits > 1,
     )
     if splits > 1:
         _paged_decode_combine_kernel[(num_seqs * num_heads,)](
             target,
             out,
+            splits,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            SPLITS_PAD=MAX_SPLITS,
         )
     return out

@@ -114,6 +114,14 @@ def test_triton_decode_split_along_the_context(
     assert torch.equal(out[-1].float(), torch.zeros_like(out[-1].float()))
 
 
+@pytest.mark.parametrize("value", ["0", "33"])
+def test_a_decode_split_count_out_of_range_is_a_clear_error(value, monkeypatch):
+    kernels = load_backend("triton", "cpu")
+    monkeypatch.setenv("PDSERVE_DECODE_SPLITS", value)
+    with pytest.raises(ValueError, match=f"PDSERVE_DECODE_SPLITS={value}: allowed 1 to 32"):
+        kernels.decode_attention.num_splits_for(1, 3, torch.device("cpu"))
+
+
 # (new tokens, cached prefix) per sequence, packed into one batch
 PREFILL_NO_PREFIX = [(1, 0), (15, 0), (16, 0), (17, 0), (40, 0)]
 PREFILL_CHUNKED = [(7, 9), (5, 16), (16, 16), (33, 67), (1, 99)]
