@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from pdserve.outputs import TokenLogprobs
 from pdserve.sampler import sample
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 # on_layer(batch, layer index, k_cache, v_cache): called after each layer has written its KV.
 LayerHook = Callable[[ScheduledBatch, int, torch.Tensor, torch.Tensor], None]
@@ -108,6 +111,12 @@ class ModelRunner:
                 max_num_seqs,
                 -(-max_model_len // cache.block_size),
                 device,
+            )
+            seconds = self.graphs.capture_all()
+            logger.info(
+                "captured CUDA graphs for decode batch sizes %s in %.1f s",
+                self.graphs.buckets,
+                seconds,
             )
 
     def weight_bytes(self, many_rows: bool = False) -> int:

@@ -11,17 +11,27 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import CacheConfig
+from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.decode_graphs import DecodeGraphs, EagerGraph
 from tests.engine.test_tiny_vs_hf import PROMPTS
 from tests.gpu import DEVICES, HAS_CUDA
 from tests.kernels.test_kernels_backends import load_backend
 
 
-def run(folder, device: str, graphs: bool):
-    llm = LLM(str(folder), device=device, cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22))
+def run(folder, device: str, graphs: str):
+    """``graphs``: "off" (eager steps), "lazy" (each batch size captured at its first step) or
+    "all" (every batch size captured before the first request, as the engine does on CUDA)."""
+    llm = LLM(
+        str(folder),
+        device=device,
+        cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 22),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
     runner = llm.engine.runner
-    if graphs:
+    if device == "cuda":  # the engine captured every batch size's graph when it started
+        assert sorted(runner.graphs.graphs) == runner.graphs.buckets == [1, 2, 4, 8]
+    runner.graphs = None
+    if graphs != "off":
         runner.graphs = DecodeGraphs(
             runner.model,
             runner.pool.kv_caches,
@@ -30,6 +40,9 @@ def run(folder, device: str, graphs: bool):
             torch.device(device),
             graph_factory=EagerGraph if device == "cpu" else None,
         )
+        if graphs == "all":
+            runner.graphs.capture_all()
+            assert sorted(runner.graphs.graphs) == [1, 2, 4, 8]
     # 4, 10, 17 and 24 new tokens: the batch shrinks from 4 rows to 1
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3)
@@ -41,16 +54,18 @@ def run(folder, device: str, graphs: bool):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_graph_steps_give_the_eager_steps_tokens(tiny_model, device, monkeypatch):
+@pytest.mark.parametrize("when", ["lazy", "all"])
+def test_graph_steps_give_the_eager_steps_tokens(tiny_model, device, when, monkeypatch):
     if device == "cpu":
         if HAS_CUDA:
             pytest.skip("kernels.triton runs compiled for the GPU here")
         load_backend("triton", "cpu")  # skips unless the interpreter runs kernels.triton
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
     folder, _ = tiny_model("gqa_untied")
-    eager, _ = run(folder, device, graphs=False)
-    replayed, graphs = run(folder, device, graphs=True)
-    assert sorted(b for b, made in graphs.graphs.items() if made is not None) == [1, 2, 4]
+    eager, _ = run(folder, device, "off")
+    replayed, graphs = run(folder, device, when)
+    captured = sorted(b for b, made in graphs.graphs.items() if made is not None)
+    assert captured == ([1, 2, 4] if when == "lazy" else [1, 2, 4, 8])
     for want, got in zip(eager, replayed, strict=True):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
