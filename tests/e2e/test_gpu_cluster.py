@@ -1,0 +1,107 @@
+"""The whole served path on a GPU, as real processes: gateway -> prefill worker (`--device cuda`)
+-> KV over UCX from CUDA memory -> decode worker (`--device cuda`, CUDA graphs) -> tokens back.
+The in-process tests prove each part on a GPU (engine, kernels, UCX between devices); this one
+proves the processes put together, as an operator runs them. A GPU machine here has no model hub
+and not the default model, so the model is a small random-weight Llama with a word-level
+tokenizer of its own (prompts are sent as token ids, the gateway detokenizes the answers).
+Greedy tokens equal a single engine's on the same device (one request at a time, so both run the
+same shapes), a shared prefix is reused from the decode worker's GPU blocks, and no block leaks.
+The same on the CPU runs everywhere and proves the test itself."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+from pdserve.services.launcher import stop_processes
+
+from pdserve import LLM, Client, SamplingParams
+from pdserve.config import CacheConfig
+from tests.e2e.cluster import start_cluster
+from tests.engine.conftest import build_tiny_model
+from tests.gpu import DEVICES
+from tests.helpers import assert_no_leaks, metric_value
+
+VOCAB = 512  # build_tiny_model's; ids 1 and 2 are its bos and eos
+BLOCK = 16  # the workers' KV block size (the default)
+
+
+def word_level_tokenizer(folder) -> None:
+    """tokenizer.json and tokenizer_config.json for ids 0..VOCAB-1 spelled ``w<id>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "w1", "eos_token": "w2", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu-served-tiny")
+    build_tiny_model(folder, "gqa_untied")
+    word_level_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def cluster(request, model):
+    """The workers on the device (the CPU run proves the test itself, everywhere)."""
+    c = start_cluster("--model", str(model))
+    c.device = request.param
+    try:
+        for role in ("prefill", "decode"):
+            c.start_worker(role, role, "--model", str(model), "--device", c.device)
+        yield c
+    finally:
+        stop_processes(c.procs)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [1] + [3 + (seed * 7 + i * 13) % (VOCAB - 3) for i in range(length - 1)]
+
+
+def test_greedy_tokens_equal_one_engine_on_the_device_and_a_shared_prefix_is_reused(model, cluster):
+    llm = LLM(str(model), device=cluster.device, cache=CacheConfig(kv_cache_bytes=64 << 20))
+    shared = prompt(0, 5 * BLOCK)
+    prompts = [prompt(1, 9), prompt(2, 40), shared + prompt(3, 12)[1:], shared + prompt(4, 20)[1:]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [llm.generate([p], params)[0].token_ids for p in prompts]  # one at a time
+    del llm
+
+    got, cached = [], []
+    reused_before = metric_value(cluster.metrics["decode"], "pdserve_kv_prefix_reused_tokens_total")
+    with Client(cluster.gateway, timeout=120) as client:
+        for p in prompts:
+            r = client.complete(p, params)
+            got.append(list(r.token_ids))
+            cached.append(r.usage.cached_prompt_tokens)
+            assert r.text.split() == [f"w{t}" for t in r.token_ids]  # the gateway's detokenizer
+    reused = (
+        metric_value(cluster.metrics["decode"], "pdserve_kv_prefix_reused_tokens_total")
+        - reused_before
+    )
+    assert got == expected
+    # prompts 3 and 4 share 5 whole blocks: prompt 4 is sent only the blocks after them
+    assert cached == [0, 0, 0, 5 * BLOCK]
+    assert reused == 5 * BLOCK
+    assert_no_leaks(cluster.live())
+
+
+def test_32_concurrent_streams_complete_on_the_device_and_free_every_block(cluster):
+    jobs = [(prompt(10 + i, 4 + (i * 37) % 200), 1 + (i * 11) % 32) for i in range(32)]
+
+    def run(job) -> int:
+        p, n = job
+        with Client(cluster.gateway, timeout=180) as c:
+            deltas = list(
+                c.generate_stream(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            )
+        return sum(len(d.token_ids) for d in deltas)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        counts = list(pool.map(run, jobs))
+    assert counts == [n for _, n in jobs]
+    assert_no_leaks(cluster.live())
