@@ -11,12 +11,11 @@ One program per (sequence, kv head) walked a 512-token context alone: at batch 1
 programs on a 132-SM GPU, ~98 us a layer, 80 % of an H200's decode step (the third GPU run).
 So a sequence's blocks are shared among ``num_splits`` programs (as many as it takes to give
 the device a few programs per SM, fixed for a batch shape so that a CUDA graph holds it; the
-share of each is worked out from the context length inside the kernel). The count is an argument,
-not a constant of the compiled kernel: one compiled kernel serves every batch size (as a
-constant, each new batch-size bucket compiled its own while serving, ~0.4 s: the fourth GPU
-run's batch-32 steps). Each writes its
+share of each is worked out from the context length inside the kernel). Each writes its
 unnormalised output with its running max and sum; a second kernel combines the splits. With one
-split the first kernel writes the output itself.
+split the first kernel writes the output itself. The count is an argument, not a constant of the
+compiled kernel: one compiled kernel serves every batch size (as a constant, each new batch-size
+bucket compiled its own while serving, ~0.4 s: the fourth GPU run's batch-32 steps).
 
 Products are broadcast-and-sum rather than ``tl.dot``: any group size works and decode is bound by
 memory, not by math. Loaded values are upcast to fp32 (bf16 arithmetic is wrong in the
