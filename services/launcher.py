@@ -89,6 +89,16 @@ def _cpu_sets(n: int, threads: int, cores: list[int]) -> list[str]:
     return [",".join(str(cores[(i * k + j) % len(cores)]) for j in range(k)) for i in range(n)]
 
 
+def _spread_devices(device: str, n: int, gpus: int) -> list[str]:
+    """Each of n workers' ``--device``: ``cuda`` without an index on a machine with several GPUs
+    puts worker i on GPU i mod their number (a prefill and a decode worker each on its own, KV
+    between them over UCX on CUDA memory); any other device (``cpu``, ``cuda:1``) is every
+    worker's."""
+    if device == "cuda" and gpus > 1:
+        return [f"cuda:{i % gpus}" for i in range(n)]
+    return [device] * n
+
+
 def _oversubscribed(workers: int, threads: int, cores: int) -> str | None:
     """A warning when the workers' engine threads outnumber the cores, else None."""
     if workers * threads <= cores:
@@ -181,6 +191,12 @@ def cmd_up(args) -> int:
         warning = _oversubscribed(len(roles), args.threads_per_worker, len(cores))
         if warning:
             print(warning, file=sys.stderr, flush=True)
+        gpus = 0
+        if args.device == "cuda":
+            import torch
+
+            gpus = torch.cuda.device_count()
+        devices = _spread_devices(args.device, len(roles), gpus)
         # a core each with one thread each (the default): each may borrow the other's
         one_thread = args.threads_per_worker == 1
         borrow = _borrowed(roles, cpus) if args.borrow and one_thread else {}
@@ -188,7 +204,7 @@ def cmd_up(args) -> int:
         addresses = [gateway.address]
         for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
             argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
-            argv += ["--threads", str(args.threads_per_worker)]
+            argv += ["--device", devices[i], "--threads", str(args.threads_per_worker)]
             if cpu:
                 argv += ["--cpus", cpu]
             if i in borrow:

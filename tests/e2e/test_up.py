@@ -78,6 +78,10 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         assert chat_text == chat.text
         workers = _children(up.pid)
         assert len(workers) == 3  # gateway, prefill, decode
+        for name in ("prefill-0", "decode-0"):  # up's --device (its default here) reaches them
+            with open(f"/proc/{pids[name]}/cmdline") as f:
+                argv = f.read().split("\0")
+            assert argv[argv.index("--device") + 1] == "cpu"
 
         # Supervision: a worker killed outright, and the gateway too, are started again (the
         # gateway on its ports; the workers register with it again) and the cluster serves.

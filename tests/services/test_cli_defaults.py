@@ -195,6 +195,16 @@ def test_pdserve_up_pins_each_worker_to_a_core_per_thread():
     assert _cpu_sets(1, 4, [4, 6]) == ["4,6"]
 
 
+def test_pdserve_up_gives_its_workers_its_device_one_gpu_each_where_there_are_several():
+    """`pdserve up --device cuda` started its workers without `--device`: on the CPU."""
+    from pdserve.services.launcher import _spread_devices
+
+    assert _spread_devices("cpu", 2, 0) == ["cpu", "cpu"]
+    assert _spread_devices("cuda", 2, 1) == ["cuda", "cuda"]  # one GPU: both on it
+    assert _spread_devices("cuda", 3, 2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert _spread_devices("cuda:1", 2, 4) == ["cuda:1", "cuda:1"]  # a GPU named: all on it
+
+
 def test_pdserve_up_warns_when_its_workers_threads_outnumber_the_cores():
     from pdserve.services.launcher import _oversubscribed
 
