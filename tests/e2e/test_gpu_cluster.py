@@ -19,6 +19,7 @@ from pdserve.services.launcher import stop_processes
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
 from tests.e2e.cluster import start_cluster
+from tests.e2e.test_up import Up
 from tests.engine.conftest import build_tiny_model
 from tests.gpu import DEVICES
 from tests.helpers import assert_no_leaks, metric_value
@@ -105,3 +106,22 @@ def test_32_concurrent_streams_complete_on_the_device_and_free_every_block(clust
         counts = list(pool.map(run, jobs))
     assert counts == [n for _, n in jobs]
     assert_no_leaks(cluster.live())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pdserve_up_runs_its_workers_on_the_device(model, device):
+    """`pdserve up --device` reached no worker (they ran on the CPU whatever it said)."""
+    up = Up(
+        "--model", str(model), "--device", device, "--http-port", "-1", "--kv-cache-bytes", "64M"
+    )
+    try:
+        assert [up.worker_option(w, "--device") for w in ("prefill-0", "decode-0")] == [device] * 2
+        llm = LLM(str(model), device=device, cache=CacheConfig(kv_cache_bytes=64 << 20))
+        p = prompt(5, 30)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        expected = llm.generate([p], params)[0].token_ids
+        with Client(up.address, timeout=120) as client:
+            assert list(client.complete(p, params).token_ids) == expected
+        assert up.stop() == 0
+    finally:
+        up.kill()

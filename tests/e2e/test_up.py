@@ -20,41 +20,58 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint_ignored():
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    # A non-interactive shell starts background jobs with SIGINT ignored; so does this.
-    up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "up",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--kv-cache-bytes",
-            "256M",
-            "--log-format",
-            "json",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    try:
-        address = base_url = None
-        for line in up.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
+class Up:
+    """``pdserve up`` started as a script starts it (``pdserve up &``: SIGINT ignored), read until
+    it is up: ``address``, ``base_url`` (the HTTP API's, or None) and ``pids`` (name -> pid)."""
+
+    def __init__(self, *argv: str, unset: tuple[str, ...] = ()) -> None:
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        for name in unset:
+            env.pop(name, None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        self.address = self.base_url = None
+        self.words: list[str] = []  # of the line "pdserve is up: gateway at ..."
+        self.pids: dict[str, int] = {}
+        for line in self.proc.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
             if line.startswith("pdserve is up: gateway at "):
-                address = line.split()[5]
+                self.words = line.split()
+                self.address = self.words[5]
             if line.startswith("OpenAI-compatible HTTP API: "):
-                base_url = line.split()[-1]
+                self.base_url = line.split()[-1]
             if line.startswith("processes: "):  # "processes: gateway pid 1 at host:port, ..."
-                pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
+                self.pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
                 break
-        assert address and base_url, f"pdserve up exited with {up.wait()} before it was up"
+        assert self.address, f"pdserve up exited with {self.proc.wait()} before it was up"
+
+    def worker_option(self, name: str, option: str) -> str:
+        """The value of ``option`` on worker ``name``'s command line."""
+        with open(f"/proc/{self.pids[name]}/cmdline") as f:
+            argv = f.read().split("\0")
+        return argv[argv.index(option) + 1]
+
+    def stop(self) -> int:
+        """SIGINT; its exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint_ignored():
+    up = Up("--http-port", "0", "--kv-cache-bytes", "256M", "--log-format", "json")
+    try:
+        address, base_url, pids = up.address, up.base_url, up.pids
+        assert base_url
         prompt = "What is the capital of France?"
         with Client(address, timeout=120) as client:
             out = client.complete(prompt, SamplingParams(max_tokens=8, temperature=0))
@@ -76,18 +93,16 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         assert got.choices[0].text == out.text
         assert got.usage.completion_tokens == len(out.token_ids)
         assert chat_text == chat.text
-        workers = _children(up.pid)
+        workers = _children(up.proc.pid)
         assert len(workers) == 3  # gateway, prefill, decode
         for name in ("prefill-0", "decode-0"):  # up's --device (its default here) reaches them
-            with open(f"/proc/{pids[name]}/cmdline") as f:
-                argv = f.read().split("\0")
-            assert argv[argv.index("--device") + 1] == "cpu"
+            assert up.worker_option(name, "--device") == "cpu"
 
         # Supervision: a worker killed outright, and the gateway too, are started again (the
         # gateway on its ports; the workers register with it again) and the cluster serves.
         for name in ("decode-0", "gateway"):
             os.kill(pids[name], signal.SIGKILL)
-            for line in up.stdout:
+            for line in up.proc.stdout:
                 if line.startswith(f"pdserve up: {name} restarted (pid "):
                     pids[name] = int(line.split("(pid ")[1].split(",")[0])
                     break
@@ -97,45 +112,31 @@ def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint
         with Client(address, timeout=120) as client:
             after = client.complete(prompt, SamplingParams(max_tokens=8, temperature=0))
         assert after.token_ids == out.token_ids
-        workers = _children(up.pid)
+        workers = _children(up.proc.pid)
         assert sorted(workers) == sorted(pids.values())
 
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0
+        assert up.stop() == 0
         assert not [p for p in workers if process_alive(p)]  # `up` waited for each before it exited
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        up.kill()
 
 
 def test_up_tls_serves_over_tls_with_the_printed_ca_and_removes_it_on_exit():
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    env.pop("PDSERVE_CLUSTER_TOKEN", None)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--tls", "--port", "0"]
-        + ["--kv-cache-bytes", "256M", "--log-format", "json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
+    up = Up(
+        "--tls",
+        "--kv-cache-bytes",
+        "256M",
+        "--log-format",
+        "json",
+        unset=("PDSERVE_CLUSTER_TOKEN",),
     )
     try:
-        words = None
-        for line in up.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
-            if line.startswith("pdserve is up: gateway at "):
-                words = line.split()
-                break
-        assert words, f"pdserve up --tls exited with {up.wait()} before it was up"
-        address, ca = words[5], words[words.index("--tls-ca") + 1]
-        with Client(address, timeout=120, tls_ca=ca) as client:
+        ca = up.words[up.words.index("--tls-ca") + 1]
+        with Client(up.address, timeout=120, tls_ca=ca) as client:
             out = client.complete("Hello", SamplingParams(max_tokens=4, temperature=0))
         assert len(out.token_ids) > 0
         assert os.stat(os.path.join(os.path.dirname(ca), "worker.key")).st_mode & 0o077 == 0
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0
+        assert up.stop() == 0
         assert not os.path.exists(ca)
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        up.kill()
