@@ -209,7 +209,8 @@ class ModelRunner:
     def forward_logits(
         self, inputs: ModelInputs, after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Logits [num_sampling_seqs, vocab] fp32 on the CPU."""
+        """Logits [num_sampling_seqs, vocab] fp32, on the model's device (``sample`` brings
+        back from a GPU only what it must)."""
         hidden = None
         if self.graphs is not None and after_layer is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -222,7 +223,7 @@ class ModelRunner:
                 after_layer,
                 inputs.rows,
             )
-        return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden)
 
     def run(
         self,

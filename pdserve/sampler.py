@@ -20,7 +20,15 @@ class SamplerRow:
 def sample(
     logits: torch.Tensor, rows: list[SamplerRow]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """``logits`` [num_rows, vocab] fp32 -> one token per row (and its logprobs where asked)."""
+    """``logits`` [num_rows, vocab] fp32 -> one token per row (and its logprobs where asked).
+
+    Logits on a GPU stay there for the greedy rows, whose argmax is taken there: only their
+    token ids come back, not ``num_rows * vocab`` floats (6.3 MB a step at batch 32 with a
+    49,152-token vocabulary, through pageable memory). Rows that draw or want logprobs are
+    copied to the CPU and sampled there, as they are on the CPU, with their requests' own
+    generators: a seeded request draws the same tokens on every device."""
+    if logits.device.type != "cpu":
+        return _sample_on_device(logits, rows)
     tokens = kernels.get_backend(logits.device).argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -40,6 +48,22 @@ def sample(
             top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
             logprobs[i] = TokenLogprobs(token_list[i], chosen[j], top)
     return token_list, logprobs
+
+
+def _sample_on_device(
+    logits: torch.Tensor, rows: list[SamplerRow]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    host = [i for i, r in enumerate(rows) if not r.params.greedy or r.params.logprobs is not None]
+    if len(host) == len(rows):
+        return sample(logits.cpu(), rows)
+    tokens = kernels.get_backend(logits.device).argmax(logits).tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if host:
+        idx = torch.tensor(host, dtype=torch.long, device=logits.device)
+        got, lps = sample(logits[idx].cpu(), [rows[i] for i in host])
+        for i, token, lp in zip(host, got, lps, strict=True):
+            tokens[i], logprobs[i] = token, lp
+    return tokens, logprobs
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:

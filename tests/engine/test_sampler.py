@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from pdserve.sampler import SamplerRow, sample
+from pdserve.sampler import SamplerRow, _sample_on_device, sample
 from pdserve.sampling_params import SamplingParams
+from tests.gpu import DEVICES
 
 
 def row(**kw):
@@ -120,3 +121,34 @@ def test_an_error_message_stays_short_however_large_the_value():
     with pytest.raises(ValueError) as e:
         SamplingParams(stop=["x" * 100_000])
     assert len(str(e.value)) < 200
+
+
+def mixed_rows(seed: int) -> list[SamplerRow]:
+    """Greedy rows, seeded draws and logprobs, interleaved; made fresh (a generator is used up)."""
+    return [
+        row(temperature=0),
+        row(temperature=0.8, seed=seed),
+        row(temperature=0, logprobs=3),
+        row(temperature=0),
+        row(temperature=1.2, top_p=0.9, seed=seed + 1, logprobs=2),
+        row(temperature=0),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_on_a_device_sample_as_on_the_cpu(device):
+    """On a GPU the greedy rows' argmax is taken there and only their ids come back; the rows that
+    draw or want logprobs are sampled on the CPU with their own generators. Every row's token
+    and logprobs are the CPU path's, whatever mix the batch has (on the CPU the device path's
+    selection runs too, through ``_sample_on_device``)."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    for seed in range(5):
+        want = sample(logits, mixed_rows(seed))
+        assert _sample_on_device(logits.to(device), mixed_rows(seed)) == want
+        assert sample(logits.to(device), mixed_rows(seed)) == want
+    greedy = [row(temperature=0) for _ in range(6)]  # every row on the device
+    assert _sample_on_device(logits.to(device), greedy) == (logits.argmax(-1).tolist(), [None] * 6)
+    drawing = [row(temperature=1.0, seed=i) for i in range(6)]  # every row on the host
+    assert _sample_on_device(logits.to(device), drawing) == sample(
+        logits, [row(temperature=1.0, seed=i) for i in range(6)]
+    )
