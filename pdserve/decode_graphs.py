@@ -4,10 +4,14 @@ The first GPU run found a batch-1 decode step bound by the host launching kernel
 ~1 ms a layer; docs/benchmarks.md, "GPU"), as vLLM and SGLang found before and answered with
 CUDA graphs. A step of n decode tokens runs the graph captured for the smallest batch size
 B >= n of ``BUCKETS`` (up to the engine's ``max_num_seqs``), on static inputs: the step's token
-ids, positions, slots, block tables and context lengths are copied into the first n rows, the
-other B - n rows are padding that reads and writes nothing (slot -1, which the Triton
-``rope_write_kv`` skips; context length 0, for which decode attention reads no block). Block
-tables have one fixed width, the most blocks a sequence can hold.
+ids, positions, slots, block tables and context lengths fill the first n rows, the other B - n
+rows are padding that reads and writes nothing (slot -1, which the Triton ``rope_write_kv``
+skips; context length 0, for which decode attention reads no block). Block tables have one fixed
+width, the most blocks a sequence can hold. The runner hands a step's inputs over as host lists
+(``ModelRunner._graph_step``, no ``prepare``): they are written into host twins of the static
+buffers (page-locked) and go over in two copies, where the runner's tensors took six copies to
+the device, five into the static buffers and two fills (the fourth GPU run's host profile:
+the host's own ~0.5 ms of a 1.35 ms batch-1 step is what the device waits for).
 
 On by default since the second H100 run (2026-11-28: the graph steps gave the eager steps' tokens,
 and a 135M-shape decode step took 4.4 ms against 8.6 at batch 1, 5.6 against 10.3 at batch 32);
@@ -88,14 +92,26 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.max_blocks = max_blocks
-        top = self.buckets[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.ids = torch.zeros(top, **i64)
-        self.positions = torch.zeros(top, **i64)
-        self.slots = torch.full((top,), -1, **i64)  # padding rows write nothing
-        self.block_tables = torch.zeros(top, max_blocks, **i32)
-        self.context_lens = torch.zeros(top, **i32)  # padding rows read nothing
+        self.top = top = self.buckets[-1]
+        # The static inputs, in two device buffers: int64 rows of token ids, positions and slots;
+        # int32 context lengths then block tables (a step's rows of both are one run). Their
+        # twins on the host (page-locked on a GPU) are where a step writes its inputs, which then
+        # go over in two copies (six copies to the device, five into these buffers and two fills
+        # a step before).
+        pin = device.type == "cuda"
+        self._dev64 = torch.zeros(3, top, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(top * (1 + max_blocks), dtype=torch.int32, device=device)
+        self._host64 = torch.zeros(3, top, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(top * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._dev64[2] = -1  # padding rows write nothing (slot -1) and read nothing (length 0)
+        self._host64[2] = -1
+        self.ids, self.positions, self.slots = self._dev64.unbind(0)
+        self.context_lens = self._dev32[:top]
+        self.block_tables = self._dev32[top:].view(top, max_blocks)
+        self._h64 = self._host64.numpy()
+        self._h_lens = self._host32[:top].numpy()
+        self._h_tables = self._host32[top:].view(top, max_blocks).numpy()
+        self._last_rows = 0  # rows of the host buffers that the last step wrote
         if graph_factory is None:
             pool = torch.cuda.graph_pool_handle()
             graph_factory = lambda: CUDAGraph(pool)  # noqa: E731
@@ -131,7 +147,9 @@ class DecodeGraphs:
     def _graph(self, b: int) -> tuple[object, torch.Tensor] | None:
         if b not in self.graphs:
             graph = self.graph_factory()
-            try:  # the static rows hold padding now: the capture's runs write no KV
+            self.slots.fill_(-1)  # a step's rows back to padding: the capture's runs write no KV
+            self.context_lens.zero_()
+            try:
                 self.graphs[b] = (graph, graph.capture(lambda: self._forward(b)))
             except Exception as exc:  # noqa: BLE001 - this batch size runs eagerly from now on
                 logger.warning("CUDA graph capture for batch %d failed (%r): eager steps", b, exc)
@@ -139,26 +157,35 @@ class DecodeGraphs:
         return self.graphs[b]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
     ) -> torch.Tensor | None:
-        """The final hidden states [n, hidden] of a decode-only step, from its batch size's graph;
-        None where the step cannot run so (the caller runs it eagerly)."""
-        n = input_ids.shape[0]
-        bt = meta.decode_block_tables
+        """The final hidden states [n, hidden] of a decode-only step of n sequences (one row each,
+        host lists), from its batch size's graph; None where the step cannot run so (the caller
+        runs it eagerly). The host buffers are rewritten at the next call: the caller must have
+        waited for this step's results by then (it does: it samples them), so that the copies
+        out of them have completed."""
+        n = len(ids)
         b = self.bucket(n)
-        if meta.num_prefill_tokens or b is None or bt is None or bt.shape[1] > self.max_blocks:
+        if b is None or any(len(t) > self.max_blocks for t in block_tables):
             return None
         made = self._graph(b)
         if made is None:
             return None
         graph, out = made
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.block_tables[:n, : bt.shape[1]].copy_(bt)
-        self.context_lens[:n].copy_(meta.decode_context_lens)
+        h64, lens, tables, last = self._h64, self._h_lens, self._h_tables, self._last_rows
+        h64[2, :last] = -1  # the last step's rows back to padding
+        lens[:last] = 0
+        h64[0, :n], h64[1, :n], h64[2, :n], lens[:n] = ids, positions, slots, context_lens
+        for row, table in zip(tables, block_tables, strict=False):
+            row[: len(table)] = table  # the rest of a row is never read (its length bounds it)
+        self._last_rows = n
+        self._dev64.copy_(self._host64, non_blocking=True)
+        used = self.top + b * self.max_blocks  # the lengths and this batch size's tables
+        self._dev32[:used].copy_(self._host32[:used], non_blocking=True)
         graph.replay()
-        # back to padding, so that the next capture (another batch size) writes nothing
-        self.slots[:n].fill_(-1)
-        self.context_lens[:n].zero_()
         return out[:n]

@@ -135,6 +135,13 @@ class ModelRunner:
             + position % self.block_size
         )
 
+    def _decode_rows(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
+        """Token ids, positions and slots of decode sequences: each its last token."""
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        ids = [seq.token_at(pos) for seq, pos in zip(seqs, positions, strict=True)]
+        slots = [self.slot(seq, pos) for seq, pos in zip(seqs, positions, strict=True)]
+        return ids, positions, slots
+
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         ids: list[int] = []
         positions: list[int] = []
@@ -154,13 +161,12 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(seq)
         num_prefill_tokens = len(ids)
-        for seq in batch.decodes:
-            pos = seq.num_tokens - 1
-            ids.append(seq.token_at(pos))
-            positions.append(pos)
-            slots.append(self.slot(seq, pos))
-            sample_rows.append(len(ids) - 1)
-            sampling_seqs.append(seq)
+        decode_ids, decode_positions, decode_slots = self._decode_rows(batch.decodes)
+        ids.extend(decode_ids)
+        positions.extend(decode_positions)
+        slots.extend(decode_slots)
+        sample_rows.extend(range(num_prefill_tokens, len(ids)))
+        sampling_seqs.extend(batch.decodes)
         dev = self.device
         i32 = torch.int32
         prefill_seqs = [s for s, _ in batch.prefills]
@@ -211,19 +217,31 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] fp32, on the model's device (``sample`` brings
         back from a GPU only what it must)."""
-        hidden = None
-        if self.graphs is not None and after_layer is None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        if hidden is None:
-            hidden = self.model(
-                inputs.input_ids,
-                inputs.positions,
-                self.pool.kv_caches,
-                inputs.meta,
-                after_layer,
-                inputs.rows,
-            )
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.pool.kv_caches,
+            inputs.meta,
+            after_layer,
+            inputs.rows,
+        )
         return self.model.compute_logits(hidden)
+
+    def _graph_step(
+        self, seqs: list[Sequence]
+    ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]] | None:
+        """A decode-only step replayed from its batch size's CUDA graph, its inputs written
+        straight into the graphs' buffers (no ``prepare``); None if it cannot run so."""
+        ids, positions, slots = self._decode_rows(seqs)
+        hidden = self.graphs.run(
+            ids, positions, slots, [s.block_table for s in seqs], [s.num_tokens for s in seqs]
+        )
+        if hidden is None:
+            return None
+        tokens, logprobs = sample(
+            self.model.compute_logits(hidden), [s.sampler_row() for s in seqs]
+        )
+        return list(seqs), tokens, logprobs
 
     def run(
         self,
@@ -231,6 +249,10 @@ class ModelRunner:
         on_layer: LayerHook | None = None,
     ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Forward the batch and sample; returns the sequences that got a token, their tokens, logprobs."""
+        if self.graphs is not None and on_layer is None and batch.decodes and not batch.prefills:
+            done = self._graph_step(batch.decodes)
+            if done is not None:
+                return done
         inputs = self.prepare(batch)
         after_layer = None
         if on_layer is not None:
