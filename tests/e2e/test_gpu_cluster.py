@@ -11,11 +11,11 @@ The same on the CPU runs everywhere and proves the test itself."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 
 import pytest
 from pdserve.services.launcher import stop_processes
 
+from bench.random_model import write_word_tokenizer
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
 from tests.e2e.cluster import start_cluster
@@ -28,22 +28,11 @@ VOCAB = 512  # build_tiny_model's; ids 1 and 2 are its bos and eos
 BLOCK = 16  # the workers' KV block size (the default)
 
 
-def word_level_tokenizer(folder) -> None:
-    """tokenizer.json and tokenizer_config.json for ids 0..VOCAB-1 spelled ``w<id>``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "w1", "eos_token": "w2", "tokenizer_class": "PreTrainedTokenizerFast"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-served-tiny")
     build_tiny_model(folder, "gqa_untied")
-    word_level_tokenizer(folder)
+    write_word_tokenizer(folder, VOCAB)
     return folder
 
 
