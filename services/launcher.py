@@ -202,9 +202,9 @@ def cmd_up(args) -> int:
         borrow = _borrowed(roles, cpus) if args.borrow and one_thread else {}
         metrics = [f"gateway {gateway.metrics}"]
         addresses = [gateway.address]
-        for i, (role, cpu) in enumerate(zip(roles, cpus, strict=True)):
+        for i, (role, cpu, device) in enumerate(zip(roles, cpus, devices, strict=True)):
             argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
-            argv += ["--device", devices[i], "--threads", str(args.threads_per_worker)]
+            argv += ["--device", device, "--threads", str(args.threads_per_worker)]
             if cpu:
                 argv += ["--cpus", cpu]
             if i in borrow:

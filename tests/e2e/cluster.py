@@ -1,8 +1,13 @@
-"""A cluster of real processes on loopback: gateway and workers started with the `pdserve` CLI, KV over UCX."""
+"""A cluster of real processes on loopback: gateway and workers started with the `pdserve` CLI (or
+`pdserve up`: ``Up``), KV over UCX."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ class Cluster:
         default_factory=dict
     )  # name ("gateway" too) -> /metrics host:port
     env: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"  # the workers' --device, where a test gives them one
 
     def start_worker(self, name: str, role: str, *extra: str, stderr=None) -> str:
         proc, address, metrics, *_ = start_process(
@@ -78,3 +84,50 @@ def running_cluster(workers: dict[str, str]) -> Iterator[Cluster]:
         yield c
     finally:
         stop_processes(c.procs)
+
+
+class Up:
+    """``pdserve up`` started as a script starts it (``pdserve up &``: SIGINT ignored), read until
+    it is up: ``address``, ``base_url`` (the HTTP API's, or None) and ``pids`` (name -> pid)."""
+
+    def __init__(self, *argv: str, unset: tuple[str, ...] = ()) -> None:
+        env = {**os.environ, **UCX_ENV}
+        for name in unset:
+            env.pop(name, None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        self.address = self.base_url = None
+        self.words: list[str] = []  # of the line "pdserve is up: gateway at ..."
+        self.pids: dict[str, int] = {}
+        for line in self.proc.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
+            if line.startswith("pdserve is up: gateway at "):
+                self.words = line.split()
+                self.address = self.words[5]
+            if line.startswith("OpenAI-compatible HTTP API: "):
+                self.base_url = line.split()[-1]
+            if line.startswith("processes: "):  # "processes: gateway pid 1 at host:port, ..."
+                self.pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
+                break
+        assert self.address, f"pdserve up exited with {self.proc.wait()} before it was up"
+
+    def worker_option(self, name: str, option: str) -> str:
+        """The value of ``option`` on worker ``name``'s command line."""
+        with open(f"/proc/{self.pids[name]}/cmdline") as f:
+            argv = f.read().split("\0")
+        return argv[argv.index(option) + 1]
+
+    def stop(self) -> int:
+        """SIGINT; its exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -18,8 +18,7 @@ from pdserve.services.launcher import stop_processes
 from bench.random_model import write_word_tokenizer
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
-from tests.e2e.cluster import start_cluster
-from tests.e2e.test_up import Up
+from tests.e2e.cluster import Up, start_cluster
 from tests.engine.conftest import build_tiny_model
 from tests.gpu import DEVICES
 from tests.helpers import assert_no_leaks, metric_value

@@ -6,65 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import openai
 
 from pdserve import Client, SamplingParams
+from tests.e2e.cluster import Up
 from tests.helpers import SERVING, health, process_alive, wait_until
 
 
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
-
-
-class Up:
-    """``pdserve up`` started as a script starts it (``pdserve up &``: SIGINT ignored), read until
-    it is up: ``address``, ``base_url`` (the HTTP API's, or None) and ``pids`` (name -> pid)."""
-
-    def __init__(self, *argv: str, unset: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-        for name in unset:
-            env.pop(name, None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        )
-        self.address = self.base_url = None
-        self.words: list[str] = []  # of the line "pdserve is up: gateway at ..."
-        self.pids: dict[str, int] = {}
-        for line in self.proc.stdout:  # blocks until `up` prints; it exits (EOF) if it fails
-            if line.startswith("pdserve is up: gateway at "):
-                self.words = line.split()
-                self.address = self.words[5]
-            if line.startswith("OpenAI-compatible HTTP API: "):
-                self.base_url = line.split()[-1]
-            if line.startswith("processes: "):  # "processes: gateway pid 1 at host:port, ..."
-                self.pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
-                break
-        assert self.address, f"pdserve up exited with {self.proc.wait()} before it was up"
-
-    def worker_option(self, name: str, option: str) -> str:
-        """The value of ``option`` on worker ``name``'s command line."""
-        with open(f"/proc/{self.pids[name]}/cmdline") as f:
-            argv = f.read().split("\0")
-        return argv[argv.index(option) + 1]
-
-    def stop(self) -> int:
-        """SIGINT; its exit status."""
-        self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=30)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def test_up_serves_then_stops_everything_on_sigint_even_when_started_with_sigint_ignored():
