@@ -12,7 +12,8 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
   ``rope_write_kv(qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping) -> q``,
   ``silu_mul(gate_up) -> out`` (a decoder layer's small per-token ops)
 - ``argmax(logits) -> token ids`` (greedy sampling)
-- ``empty_pool(shape, dtype, device) -> pool`` (an uninitialised KV pool; huge pages on CPU)
+- ``empty_pool(shape, dtype, device, resident=False) -> pool`` (an uninitialised KV pool; huge
+  pages on CPU; ``resident``: its memory mapped at once, not at each page's first write)
 - ``gather_kv_blocks(k_pool, v_pool, block_ids, k_out, v_out)`` and
   ``kv_block_writer(k_pools, v_pools, block_ids) -> write(layer, first, k, v)``: the KV
   transfer's copies (a layer's blocks into a message buffer; a message into every layer's pools)

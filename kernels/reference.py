@@ -178,9 +178,15 @@ def kv_block_writer(
     return write
 
 
-def empty_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised KV pool (``torch.empty``)."""
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+def empty_pool(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device, resident: bool = False
+) -> torch.Tensor:
+    """An uninitialised KV pool (``torch.empty``). ``resident``: a CPU pool's memory is mapped
+    now (zeroed), not page by page as blocks are first written (device memory always is)."""
+    pool = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if resident and pool.device.type == "cpu":
+        pool.zero_()
+    return pool
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -302,6 +302,7 @@ def run_offline_bench(args) -> dict:
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=False,
+            resident=args.kv_resident,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_seqs,

@@ -56,6 +56,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument(
+        "--lazy-kv-cache",
+        dest="kv_resident",
+        action="store_false",
+        default=CacheConfig.resident,
+        help="map the KV pool's memory as its blocks are first written, not at start (less "
+        "memory in use until the pool fills; each first write then costs a page fault under a "
+        "request, and memory that is not there fails a request, not the start)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -83,6 +92,7 @@ def _llm_from(args):
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=args.prefix_caching,
+            resident=args.kv_resident,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

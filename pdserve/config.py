@@ -56,12 +56,16 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "q8_0", "q4_1", "q4_0")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: ``block_size`` tokens per block; pool size from bytes or a memory fraction."""
+    """Paged KV cache: ``block_size`` tokens per block; pool size from bytes or a memory fraction.
+    ``resident``: a CPU pool's memory is mapped when the engine starts (kernels/cpu/memory.py:
+    a page first written under a request cost a fault and its zeroing there, and memory that is
+    not there fails the start, not a request); False leaves it to the blocks' first writes."""
 
     block_size: int = 16
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
+    resident: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

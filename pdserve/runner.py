@@ -100,7 +100,12 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.model = load_model(folder, cfg, dtype, device, max_model_len, quantization)
         self.pool = KVCachePool(
-            cfg, num_blocks_for(cfg, cache, dtype, device), cache.block_size, dtype, device
+            cfg,
+            num_blocks_for(cfg, cache, dtype, device),
+            cache.block_size,
+            dtype,
+            device,
+            resident=cache.resident,
         )
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs
         graphs_ok = getattr(self.model.ops, "DECODE_GRAPHS", False)  # a backend that can

@@ -124,6 +124,21 @@ def _borrowed(roles: list[str], cpus: list[str]) -> dict[int, str]:
     return {decode: cpus[prefill], prefill: cpus[decode]}
 
 
+def engine_argv(args) -> list[str]:
+    """The engine options of ``pdserve up`` (all but ``--threads`` and ``--device``, which
+    it sets per worker) as a worker's arguments."""
+    argv = ["--model", args.model, "--dtype", args.dtype, "--quantization", args.quantization]
+    argv += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs)]
+    argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.kv_cache_bytes:
+        argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if not args.prefix_caching:
+        argv.append("--no-prefix-caching")
+    if not args.kv_resident:
+        argv.append("--lazy-kv-cache")
+    return argv
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -141,21 +156,7 @@ def cmd_up(args) -> int:
     observe += ["--drain-timeout", str(args.drain_timeout)]
     if args.otlp_endpoint:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
-    common = [
-        "--model",
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--quantization",
-        args.quantization,
-        "--block-size",
-        str(args.block_size),
-        *observe,
-    ]
-    if args.kv_cache_bytes:
-        common += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
-    if not args.prefix_caching:
-        common.append("--no-prefix-caching")
+    common = [*engine_argv(args), *observe]
     env = {envs.CLUSTER_TOKEN_ENV: envs.cluster_token() or secrets.token_urlsafe(32)}
 
     def start(argv: list[str]) -> tuple[subprocess.Popen, str]:

@@ -50,7 +50,9 @@ class KVCachePool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        resident: bool = False,
     ) -> None:
+        """``resident``: the memory mapped now (``empty_pool``), not as blocks are first written."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -59,6 +61,6 @@ class KVCachePool:
         # because attention stops at each sequence's context length). CPU pools on huge pages.
         empty = kernels.get_backend(device).empty_pool
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (empty(shape, dtype, device), empty(shape, dtype, device))
+            (empty(shape, dtype, device, resident), empty(shape, dtype, device, resident))
             for _ in range(model.num_layers)
         ]

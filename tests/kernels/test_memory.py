@@ -1,5 +1,11 @@
 """kernels.cpu.memory: huge-page backed CPU buffers."""
 
+import ctypes
+import errno
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +47,81 @@ def test_kernel_takes_the_advice():
     assert memory.advise_huge_pages(t)
     # a buffer smaller than one aligned huge page has nothing to advise
     assert not memory.advise_huge_pages(torch.empty(4096, dtype=torch.uint8))
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """The share of ``t``'s pages that are mapped (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // memory.PAGE * memory.PAGE
+    end = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(end - start) // memory.PAGE)
+    vec = (ctypes.c_ubyte * n)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec)
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) / n
+
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore, madvise: Linux")
+
+
+POOLS = """
+import json, torch
+from tests.kernels.test_memory import _resident_fraction
+from pdserve.kernels.cpu import memory
+shape = (2048, 16, 3, 64)  # 12 MiB of bf16
+lazy = memory.empty_pool(shape, torch.bfloat16, "cpu")
+resident = memory.empty_pool(shape, torch.bfloat16, "cpu", resident=True)
+print(json.dumps([_resident_fraction(lazy), _resident_fraction(resident),
+                  resident.data_ptr() % memory.HUGE_PAGE]))
+"""
+
+
+@linux
+def test_a_resident_pool_is_mapped_before_its_first_write():
+    # in a process of its own: in this one, memory freed by earlier tests (written, so mapped)
+    # may be handed out again
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", POOLS], capture_output=True, text=True, check=True, cwd=root
+    ).stdout
+    lazy, resident, misaligned = json.loads(out)
+    assert lazy < 0.5  # nothing written yet
+    assert resident == 1.0 and misaligned == 0
+
+
+@linux
+def test_making_memory_resident_keeps_what_it_holds():
+    t = memory.empty((3, 1 << 20), torch.float32)
+    t[1].copy_(torch.arange(1 << 20, dtype=torch.float32))
+    memory.make_resident(t)
+    assert _resident_fraction(t) == 1.0
+    assert torch.equal(t[1], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def _failing_madvise(err: int):
+    def madvise(addr, length, advice):
+        ctypes.set_errno(err)
+        return -1
+
+    return madvise
+
+
+def test_without_the_kernel_call_the_memory_is_written(monkeypatch):
+    monkeypatch.setattr(memory, "_madvise", lambda: _failing_madvise(errno.EINVAL))
+    t = memory.empty(1 << 20, torch.float32)
+    t.fill_(7)
+    memory.make_resident(t)  # a kernel before 5.14: zeros written instead
+    assert not t.any()
+
+
+def test_memory_that_is_not_there_fails_at_once(monkeypatch):
+    monkeypatch.setattr(memory, "_madvise", lambda: _failing_madvise(errno.ENOMEM))
+    with pytest.raises(MemoryError, match="could not be made resident: Cannot allocate memory"):
+        memory.empty_pool((64, 16, 3, 64), torch.float32, "cpu", resident=True)
+
+
+def test_the_reference_pool_made_resident_is_zeroed():
+    from pdserve.kernels import reference
+
+    pool = reference.empty_pool((4, 16, 3, 64), torch.float32, torch.device("cpu"), resident=True)
+    assert pool.shape == (4, 16, 3, 64) and not pool.any()

@@ -249,3 +249,26 @@ def test_a_worker_started_by_a_launcher_pinned_elsewhere_may_pin_itself_to_anoth
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"[{second}]"
+
+
+@pytest.mark.parametrize("command", [*ROLES, "up"])
+def test_a_lazy_kv_cache_is_a_choice_and_a_resident_one_the_default(command):
+    assert serve_cli.engine_config(build_parser().parse_args([command])).cache.resident
+    args = build_parser().parse_args([command, "--lazy-kv-cache"])
+    assert serve_cli.engine_config(args).cache == CacheConfig(resident=False)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_pdserve_up_gives_its_workers_every_engine_option_it_was_given(role):
+    """`pdserve up --max-num-seqs 8` (and --max-num-batched-tokens) reached no worker."""
+    from pdserve.services.launcher import engine_argv
+
+    options = ["--model", "/models/x", "--dtype", "float32", "--quantization", "int8"]
+    options += ["--kv-cache-bytes", "256M", "--block-size", "32", "--no-prefix-caching"]
+    options += ["--lazy-kv-cache", "--max-num-seqs", "8", "--max-num-batched-tokens", "96"]
+    up = build_parser().parse_args(["up", *options])
+    worker = build_parser().parse_args([role, *engine_argv(up)])
+    assert serve_cli.engine_config(worker) == serve_cli.engine_config(up)
+    assert serve_cli.engine_config(up) != serve_cli.engine_config(build_parser().parse_args(["up"]))
+    defaults = build_parser().parse_args([role, *engine_argv(build_parser().parse_args(["up"]))])
+    assert serve_cli.engine_config(defaults) == EngineConfig(defaults.model)
