@@ -16,7 +16,7 @@ written. Left to its first writes, each new page was mapped and zeroed in the se
 decode worker, inside the UCX thread that lands a prompt's KV (66 % of that thread's time in the
 kernel's ``clear_page_erms`` over a W-c32 run on a 2-core Zen 5), beside the engine on the same
 core. There, populating a 2 GiB pool up front took 0.11 s against 0.9-2.0 s for first writes
-to it, and W-c32 under ``pdserve up`` ran 1.07-1.08x faster (docs/benchmarks.md).
+to it, and W-c32 ran 1.08x faster under ``pdserve up``, 1.12x colocated (docs/benchmarks.md).
 """
 
 from __future__ import annotations
