@@ -241,6 +241,9 @@ def cmd_up(args) -> int:
     except FatalExit as e:
         print(f"pdserve up: {e}; stopping the rest", file=sys.stderr)
         return 1
+    except ExitedBeforeReady as e:  # at start: its own error is above (a bad option, no memory)
+        print(f"pdserve up: {e}; stopping the rest", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
     finally:

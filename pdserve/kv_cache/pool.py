@@ -24,6 +24,33 @@ def _device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory_bytes() -> int | None:
+    """What this process may still take of the machine's memory: /proc/meminfo's MemAvailable,
+    and below its cgroup's limit (v2 ``memory.max`` less ``memory.current``); None if unknown."""
+    known = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            known.append(int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return min(known) if known else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
 def num_blocks_for(
     model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
@@ -52,10 +79,21 @@ class KVCachePool:
         device: torch.device,
         resident: bool = False,
     ) -> None:
-        """``resident``: the memory mapped now (``empty_pool``), not as blocks are first written."""
+        """``resident``: the memory mapped now (``empty_pool``), not as blocks are first written;
+        ValueError when a CPU pool would not fit in the memory left (the kernel would kill the
+        process while mapping it, with no word why)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        if resident and device.type == "cpu":
+            nbytes = bytes_per_block(model, block_size, dtype) * num_blocks
+            available = available_memory_bytes()
+            if available is not None and nbytes > available:
+                raise ValueError(
+                    f"a KV cache of {_gib(nbytes)} does not fit in the {_gib(available)} of memory "
+                    "left to this process: lower --kv-cache-bytes (or --lazy-kv-cache, to map it "
+                    "only as it fills)"
+                )
 
         # empty: a block's content is defined only once written (stale data is never read
         # because attention stops at each sequence's context length). CPU pools on huge pages.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import openai
 
@@ -92,3 +94,19 @@ def test_up_tls_serves_over_tls_with_the_printed_ca_and_removes_it_on_exit():
         assert not os.path.exists(ca)
     finally:
         up.kill()
+
+
+def test_a_worker_that_cannot_start_stops_pdserve_up_with_its_reason_and_no_traceback():
+    """A KV pool larger than the machine's memory: the worker says so and exits; `up` said
+    nothing of its own but a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "-1"]
+        + ["--kv-cache-bytes", "100000G", "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "a KV cache of 100000.0 GiB does not fit" in done.stderr
+    assert "exited (code 2) before it was ready; stopping the rest" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -125,3 +125,46 @@ def test_the_reference_pool_made_resident_is_zeroed():
 
     pool = reference.empty_pool((4, 16, 3, 64), torch.float32, torch.device("cpu"), resident=True)
     assert pool.shape == (4, 16, 3, 64) and not pool.any()
+
+
+def _model():
+    from pdserve.model.config import ModelConfig
+
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+
+
+def test_a_pool_that_would_not_fit_in_the_memory_left_is_refused_at_once(monkeypatch):
+    """A pool larger than the memory left was killed by the kernel while mapping it (SIGKILL,
+    no word why)."""
+    from pdserve.kv_cache import pool
+
+    model, cpu = _model(), torch.device("cpu")
+    nbytes = pool.bytes_per_block(model, 16, torch.float32) * 1024  # 8 MiB
+    monkeypatch.setattr(pool, "available_memory_bytes", lambda: nbytes - 1)
+    with pytest.raises(ValueError, match=r"a KV cache of 0\.0 GiB does not fit in the 0\.0 GiB"):
+        pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=True)
+    pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=False)  # mapped as it fills
+    monkeypatch.setattr(pool, "available_memory_bytes", lambda: nbytes)
+    made = pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=True)
+    assert made.kv_caches[0][0].shape == (1024, 16, 2, 16)
+
+
+@linux
+def test_the_memory_left_is_what_the_machine_has_at_most():
+    from pdserve.kv_cache.pool import available_memory_bytes
+
+    left = available_memory_bytes()
+    assert left is not None and 0 < left <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
