@@ -127,39 +127,23 @@ def test_the_reference_pool_made_resident_is_zeroed():
     assert pool.shape == (4, 16, 3, 64) and not pool.any()
 
 
-def _model():
-    from pdserve.model.config import ModelConfig
-
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-
-
-def test_a_pool_that_would_not_fit_in_the_memory_left_is_refused_at_once(monkeypatch):
+def test_a_pool_that_would_not_fit_in_the_memory_left_is_refused_at_once(
+    monkeypatch, default_model_dir
+):
     """A pool larger than the memory left was killed by the kernel while mapping it (SIGKILL,
     no word why)."""
     from pdserve.kv_cache import pool
+    from pdserve.model.config import ModelConfig
 
-    model, cpu = _model(), torch.device("cpu")
-    nbytes = pool.bytes_per_block(model, 16, torch.float32) * 1024  # 8 MiB
+    model, cpu = ModelConfig.from_file(default_model_dir / "config.json"), torch.device("cpu")
+    nbytes = pool.bytes_per_block(model, 16, torch.float32) * 16  # 11.25 MiB
     monkeypatch.setattr(pool, "available_memory_bytes", lambda: nbytes - 1)
     with pytest.raises(ValueError, match=r"a KV cache of 0\.0 GiB does not fit in the 0\.0 GiB"):
-        pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=True)
-    pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=False)  # mapped as it fills
+        pool.KVCachePool(model, 16, 16, torch.float32, cpu, resident=True)
+    pool.KVCachePool(model, 16, 16, torch.float32, cpu, resident=False)  # mapped as it fills
     monkeypatch.setattr(pool, "available_memory_bytes", lambda: nbytes)
-    made = pool.KVCachePool(model, 1024, 16, torch.float32, cpu, resident=True)
-    assert made.kv_caches[0][0].shape == (1024, 16, 2, 16)
+    made = pool.KVCachePool(model, 16, 16, torch.float32, cpu, resident=True)
+    assert made.kv_caches[0][0].shape == (16, 16, model.num_kv_heads, model.head_dim)
 
 
 @linux
