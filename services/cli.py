@@ -338,7 +338,12 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--colocated", type=int, default=0)
-    up.add_argument("--threads-per-worker", type=int, default=1)
+    up.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="torch threads of each worker (default 1); --threads means the same here",
+    )
     up.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin workers to cores"
     )

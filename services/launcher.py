@@ -139,6 +139,22 @@ def engine_argv(args) -> list[str]:
     return argv
 
 
+def threads_per_worker(args) -> int:
+    """``--threads-per-worker``, or ``--threads`` (the engine option of every other command;
+    here it is each worker's too, not the cluster's); 1 by default. ValueError when the two
+    disagree or are not positive."""
+    given = {n for n in (args.threads_per_worker, args.threads) if n is not None}
+    if len(given) > 1:
+        raise ValueError(
+            f"--threads {args.threads} and --threads-per-worker {args.threads_per_worker} "
+            "disagree: both are each worker's torch threads, give one"
+        )
+    n = given.pop() if given else 1
+    if n < 1:
+        raise ValueError(f"each worker needs at least one thread, got {n}")
+    return n
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -150,6 +166,11 @@ def cmd_up(args) -> int:
 
     The handlers are installed explicitly: a shell starts a background job (``pdserve up &`` in a
     script) with SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
+    try:
+        args.threads_per_worker = threads_per_worker(args)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     observe = ["--log-format", args.log_format] + (["--log-prompts"] if args.log_prompts else [])

@@ -272,3 +272,19 @@ def test_pdserve_up_gives_its_workers_every_engine_option_it_was_given(role):
     assert serve_cli.engine_config(up) != serve_cli.engine_config(build_parser().parse_args(["up"]))
     defaults = build_parser().parse_args([role, *engine_argv(build_parser().parse_args(["up"]))])
     assert serve_cli.engine_config(defaults) == EngineConfig(defaults.model)
+
+
+def test_pdserve_up_threads_are_each_workers_whichever_option_says_so():
+    """`pdserve up --threads 2` was accepted and ignored: every worker ran one thread."""
+    from pdserve.services.launcher import threads_per_worker
+
+    def threads(*argv):
+        return threads_per_worker(build_parser().parse_args(["up", *argv]))
+
+    assert threads() == 1
+    assert threads("--threads", "2") == threads("--threads-per-worker", "2") == 2
+    assert threads("--threads", "2", "--threads-per-worker", "2") == 2
+    with pytest.raises(ValueError, match="--threads 2 and --threads-per-worker 1 disagree"):
+        threads("--threads", "2", "--threads-per-worker", "1")
+    with pytest.raises(ValueError, match="at least one thread, got 0"):
+        threads("--threads-per-worker", "0")
