@@ -24,26 +24,37 @@ def _device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+MEMINFO = "/proc/meminfo"
+CGROUP = "/sys/fs/cgroup"  # cgroup v2: this process's own, as a container sees it
+
+
+def _number(path: str, key: str | None = None) -> int | None:
+    """The number in a one-number file, or after ``key`` in a "key value" file (/proc/meminfo,
+    a cgroup's memory.stat); None if there is none."""
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if key is None:
+                    return int(parts[0])
+                if parts and parts[0].rstrip(":") == key:
+                    return int(parts[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def available_memory_bytes() -> int | None:
     """What this process may still take of the machine's memory: /proc/meminfo's MemAvailable,
-    and below its cgroup's limit (v2 ``memory.max`` less ``memory.current``); None if unknown."""
+    and below its cgroup's limit (v2: ``memory.max`` less what ``memory.current`` holds beyond
+    reclaimable file cache); None if unknown."""
     known = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    known.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            known.append(int(limit) - current)
-    except (OSError, ValueError):
-        pass
+    available_kb = _number(MEMINFO, "MemAvailable")
+    if available_kb is not None:
+        known.append(available_kb * 1024)
+    limit, current = _number(f"{CGROUP}/memory.max"), _number(f"{CGROUP}/memory.current")
+    if limit is not None and current is not None:  # "max" (no limit) reads as None
+        known.append(limit - current + (_number(f"{CGROUP}/memory.stat", "inactive_file") or 0))
     return min(known) if known else None
 
 

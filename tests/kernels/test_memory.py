@@ -152,3 +152,24 @@ def test_the_memory_left_is_what_the_machine_has_at_most():
 
     left = available_memory_bytes()
     assert left is not None and 0 < left <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize(
+    "limit, expected_gib", [("4294967296", 2), ("max", 8)], ids=["cgroup limit", "no limit"]
+)
+def test_the_memory_left_is_the_machines_and_within_a_containers_limit(
+    monkeypatch, tmp_path, limit, expected_gib
+):
+    from pdserve.kv_cache import pool
+
+    gib = 1 << 30
+    (tmp_path / "meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    (tmp_path / "memory.max").write_text(f"{limit}\n")
+    (tmp_path / "memory.current").write_text(f"{3 * gib}\n")  # 1 GiB of it reclaimable cache
+    (tmp_path / "memory.stat").write_text(f"anon {2 * gib}\ninactive_file {gib}\n")
+    monkeypatch.setattr(pool, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(pool, "CGROUP", str(tmp_path))
+    assert pool.available_memory_bytes() == expected_gib * gib
+    monkeypatch.setattr(pool, "MEMINFO", str(tmp_path / "none"))
+    monkeypatch.setattr(pool, "CGROUP", str(tmp_path / "none"))
+    assert pool.available_memory_bytes() is None
