@@ -259,10 +259,7 @@ def cmd_up(args) -> int:
         while True:  # a process that exits is started again (services/supervisor.py)
             cluster.poll()
             time.sleep(0.5)
-    except FatalExit as e:
-        print(f"pdserve up: {e}; stopping the rest", file=sys.stderr)
-        return 1
-    except ExitedBeforeReady as e:  # at start: its own error is above (a bad option, no memory)
+    except (FatalExit, ExitedBeforeReady) as e:  # a start's failure: its own error is above
         print(f"pdserve up: {e}; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
