@@ -15,13 +15,19 @@
  *
  *   [0, 32)     d of outputs 16 g .. 16 g + 15 (fp16, the Q4_1 block's scale)
  *   [32, 64)    m of the same (fp16, the block's minimum)
- *   [64, 320)   16 pairs of k (2p, 2p + 1), 16 bytes each: byte i = lo(i) | hi(i) << 4, where
- *               lo(i) = q[16 g + i / 2][2 p + i % 2] and hi(i) = q[16 g + 8 + i / 2][2 p + i % 2]
+ *   [64, 320)   4 runs of 64 bytes, run c for the pairs of k (2p, 2p + 1), p = 4 c .. 4 c + 3:
+ *               16 dwords, dword i holding 8 nibbles, nibble 2 (p - 4 c) = lo_p(i) and nibble
+ *               2 (p - 4 c) + 1 = hi_p(i), where lo_p(i) = q[16 g + i / 2][2 p + i % 2] and
+ *               hi_p(i) = q[16 g + 8 + i / 2][2 p + i % 2]
  *
- * so that one 16-byte load, widened to 16 dwords, gives (through a 16-entry table) the values of
- * outputs 0-7 of the group at k and k + 1 interleaved (low nibbles) and of outputs 8-15 (high);
+ * so that one 64-byte load serves four pairs of k: shifted right by 4 j, its 16 dwords give in
+ * their low 4 bits (through a 16-entry table, vpermps, which reads no other bits) the values of
+ * outputs 0-7 of the group at k and k + 1 interleaved (j even) or of outputs 8-15 (j odd);
  * their fp32 values q d + m (exact: q d is) rounded by vcvtne2ps2bf16 are then the dwords
  * (w[n][k], w[n][k + 1]) for n = 16 g .. 16 g + 15 in order: the packed kernel's register.
+ * (Until 2026-11-28 each pair of k had 16 bytes, widened to dwords by vpmovzxbd: one shuffle
+ * more per 32 weights, which a 1-row step, bound by its instructions and not by memory on a
+ * Zen 5, paid: the 1-row kernel ran ~20 % slower from cache.)
  *
  * Q8_0 (the default GGUF's tied embedding and lm_head) the same way, 34 bytes per 32 weights:
  * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_blocks);
@@ -35,7 +41,7 @@
 #define Q4MR 8           /* rows of x per pass over the weights */
 #define Q4NG 4           /* groups side by side, at most */
 #ifndef QP_AHEAD
-#define QP_AHEAD 4       /* blocks prefetched ahead in each group */
+#define QP_AHEAD 8       /* blocks prefetched ahead in each group */
 #endif
 
 int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
@@ -79,7 +85,7 @@ void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *o
                     if (q8)
                         o[head + 32 * p + i] = lo, o[head + 32 * p + 16 + i] = hi;
                     else
-                        o[head + 16 * p + i] = (uint8_t)(lo | hi << 4);
+                        o[head + 64 * (p / 4) + 4 * i + p % 4] = (uint8_t)(lo | hi << 4);
                 }
         }
 }
@@ -117,15 +123,17 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
                 mlo[j] = _mm512_permutexvar_ps(lo_idx, m), mhi[j] = _mm512_permutexvar_ps(hi_idx, m);
             }
         }
+        __m512i run[Q4NG]; /* Q4_1: the 64 bytes of four pairs of k */
         UNROLL for (int p = 0; p < 16; p++) {
             const int64_t k = kb * 32 + 2 * p;
             UNROLL for (int j = 0; j < Q4NG; j++) {
                 if (j >= ng) break;
                 __m512 lo, hi;
                 if (qt == QP_Q4_1) {
-                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[j] + 64 + 16 * p)));
-                    lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), dlo[j], mlo[j]);
-                    hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), dhi[j], mhi[j]);
+                    if (p % 4 == 0) run[j] = _mm512_loadu_si512((const void *)(b[j] + 64 + 16 * p));
+                    const int s = 8 * (p % 4);
+                    lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(run[j], s), table), dlo[j], mlo[j]);
+                    hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(run[j], s + 4), table), dhi[j], mhi[j]);
                 } else {
                     const uint8_t *qb = b[j] + 32 + 32 * p;
                     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), dlo[j]);
