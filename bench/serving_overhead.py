@@ -36,6 +36,20 @@ VARIANTS = {
     "spin20k": {"GOMP_SPINCOUNT": "20000"},
     "spin2k": {"GOMP_SPINCOUNT": "2000"},
 }
+# variants that give the decode (or colocated) worker options: streamN = --stream-interval N ms
+STREAM_PREFIX = "stream"
+
+
+def worker_args(variant: str) -> list[str]:
+    """Options the serving worker gets for ``variant``."""
+    if variant.startswith(STREAM_PREFIX):
+        return ["--stream-interval", variant.removeprefix(STREAM_PREFIX)]
+    return []
+
+
+def with_args(workers: list[list[str]], extra: list[str]) -> list[list[str]]:
+    """``workers`` with ``extra`` given to each one but the prefill workers."""
+    return [w if w[0] == "prefill" else [*w, *extra] for w in workers]
 
 
 def offline_step_ms(engine_args: list[str], env: dict[str, str]) -> float:
@@ -54,10 +68,17 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default="default,passive", help=", ".join(VARIANTS))
+    p.add_argument(
+        "--variants",
+        default="default,passive",
+        help=", ".join(VARIANTS) + f", {STREAM_PREFIX}MS (the worker's --stream-interval MS)",
+    )
     p.add_argument("--shapes", default="colocated", help="colocated, up")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    for v in args.variants.split(","):
+        if v not in VARIANTS and not v.removeprefix(STREAM_PREFIX).replace(".", "").isdigit():
+            p.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, or {STREAM_PREFIX}MS")
     model = ["--dtype", args.dtype, "--quantization", args.quantization]
     engine = ["--threads", str(args.threads), *model]
     shapes = {"colocated": [["colocated", *engine]], "up": [[*w, *model] for w in DISAGGREGATED]}
@@ -72,9 +93,10 @@ def main() -> None:
     for r in range(args.rounds):
         for variant, runs in rows.items():
             shape, _, name = variant.rpartition("/")
-            env = VARIANTS[name]
+            env = VARIANTS.get(name, {})
             step = offline_step_ms(engine, env)
-            s = run_cluster(shapes[shape or "colocated"], load, env=env)
+            workers = with_args(shapes[shape or "colocated"], worker_args(name))
+            s = run_cluster(workers, load, env=env)
             tpot = s["tpot_s"]["p50"] * 1e3
             tokens = s["output_tokens_per_s"] * s["wall_s"]
             cpu_ms = s["cluster_cpu_s"] / max(tokens, 1) * 1e3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass
 
 import torch
@@ -232,6 +232,10 @@ class LLMEngine:
         self._texts.pop(request_id, None)
         if seq is not None:
             self._finish(seq, "abort")
+
+    def requests_in_flight(self) -> KeysView[str]:
+        """Ids of the requests this engine holds (added, not finished or aborted)."""
+        return self._seqs.keys()
 
     def kv_on_its_way(self) -> bool:
         """Decode side: a reserved request's KV has yet to land here."""

@@ -74,11 +74,20 @@ class EngineLoop:
         warm_up: bool = True,
         borrow_cpus: frozenset[int] = frozenset(),
         may_borrow: Callable[[], bool] | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
         """``step_seconds(s)`` is told how long each step took (a metric); ``warm_up``: two
         short generations before serving (``_warm_up``); ``borrow_cpus``: cores beyond the
         engine thread's own whose time its steps also use while ``may_borrow()`` (engine thread,
-        before each step) says that their owner is idle (``_borrow``)."""
+        before each step) says that their owner is idle (``_borrow``); ``stream_interval_s``: a
+        request's outputs are handed to its stream at most this often, those between merged
+        (``_coalesce``; 0: each step's at once)."""
+        if not stream_interval_s >= 0:
+            raise ValueError(f"the stream interval must be >= 0 seconds, got {stream_interval_s}")
+        self.stream_interval_s = stream_interval_s
+        # engine thread: outputs held back, and when each request's were last handed on
+        self._held: dict[str, RequestOutput] = {}
+        self._handed_at: dict[str, float] = {}
         self.warm_up = warm_up
         self.borrow_cpus = frozenset(borrow_cpus)
         self._may_borrow = may_borrow
@@ -332,6 +341,7 @@ class EngineLoop:
             self._step_tokens, self._step_predicted_s, self._layer_at = 0, 0.0, None
             if block:
                 self._busy_since = None
+                self._release_held()
             try:
                 command = self._commands.get(block=block)
             except queue.Empty:
@@ -357,8 +367,61 @@ class EngineLoop:
             if self._step_seconds is not None:
                 self._step_seconds(seconds)
             self.num_steps += 1
+            if self.stream_interval_s:
+                outputs = self._coalesce(outputs, time.monotonic())
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _coalesce(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        """Engine thread, ``stream_interval_s`` set: the outputs to hand on now. A request's
+        output goes on at once when it is its first, its last, or ``stream_interval_s`` has
+        passed since its previous one went; otherwise it is held and merged with the next (one
+        message then carries several tokens). Each handed-on output costs the event loop a
+        wake-up and a message through every hop to the client (worker, gateway, client: ~1 ms of
+        CPU a token on a 2-core Zen 5, taken from the cores the step runs on), so at one user
+        and fast steps this is what lets the step run at its offline speed. Held outputs whose
+        time has come go on too, new output or not (a request that waits for a step)."""
+        interval = self.stream_interval_s
+        held, handed = self._held, self._handed_at
+        ready = []
+        for out in outputs:
+            rid = out.request_id
+            before = held.pop(rid, None)
+            if before is not None:
+                out = _merged(before, out)
+            last = handed.get(rid)
+            if out.finished:
+                handed.pop(rid, None)
+                ready.append(out)
+            elif last is None or now - last >= interval:
+                handed[rid] = now
+                ready.append(out)
+            else:
+                held[rid] = out
+        live = self.engine.requests_in_flight()
+        for rid in [r for r in handed if r not in live]:  # ended elsewhere (aborted): forgotten
+            handed.pop(rid)
+            held.pop(rid, None)
+        for rid in [r for r, out in held.items() if now - handed[r] >= interval]:
+            handed[rid] = now
+            ready.append(held.pop(rid))
+        return ready
+
+    def _release_held(self) -> None:
+        """Engine thread, about to wait for work: nothing stays held while no step runs."""
+        if self._held:
+            outputs = list(self._held.values())
+            self._held.clear()
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        self._handed_at.clear()
+
+
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``b``, a later output of the same request, with ``a``'s tokens (and text) before its own."""
+    b.new_token_ids = a.new_token_ids + b.new_token_ids
+    b.new_text = a.new_text + b.new_text
+    b.new_logprobs = a.new_logprobs + b.new_logprobs
+    return b
 
 
 def _NOTHING() -> None:  # sentinel: "no command this time"

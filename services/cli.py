@@ -87,39 +87,54 @@ def tls_config(args):
     )
 
 
+def _stream_interval_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stream-interval",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="send each request's new tokens at most every MS milliseconds, those produced "
+        "meanwhile in one message (the first and the last at once); fewer messages leave more "
+        "CPU to the steps when tokens come faster than that (default 0: every token at once)",
+    )
+
+
 def cluster_token(args) -> str | None:
     return args.cluster_token or envs.cluster_token()
 
 
+def worker_options(args):
+    """The WorkerOptions of a worker command's parsed ``args``."""
+    from pdserve.services.main import WorkerOptions
+
+    return WorkerOptions(
+        role=args.command,
+        engine=engine_config(args),
+        host=args.host,
+        port=args.port,
+        gateway=args.gateway,
+        transport=args.transport,
+        advertise=args.advertise,
+        metrics_port=args.metrics_port,
+        telemetry=telemetry_config(args, args.command),
+        stall_timeout_s=args.stall_timeout,
+        drain_timeout_s=args.drain_timeout,
+        tls=tls_config(args),
+        cluster_token=cluster_token(args),
+        roofline=args.roofline,
+        borrow_cpus=getattr(args, "borrow_cpus", frozenset()),  # prefill and decode only
+        stream_interval_s=getattr(args, "stream_interval", 0.0) / 1000,  # decode, colocated
+    )
+
+
 def cmd_worker(args) -> int:
-    from pdserve.services.main import WorkerOptions, serve_worker
+    from pdserve.services.main import serve_worker
     from pdserve.services.process import run
 
-    borrow = getattr(args, "borrow_cpus", frozenset())  # prefill and decode workers only
-    cpus.pin(args.cpus, borrow, args.threads)
+    cpus.pin(args.cpus, getattr(args, "borrow_cpus", frozenset()), args.threads)
     if args.cpus and args.threads is None:  # one thread per core it is pinned to
         args.threads = len(args.cpus)
-    return run(
-        serve_worker(
-            WorkerOptions(
-                role=args.command,
-                engine=engine_config(args),
-                host=args.host,
-                port=args.port,
-                gateway=args.gateway,
-                transport=args.transport,
-                advertise=args.advertise,
-                metrics_port=args.metrics_port,
-                telemetry=telemetry_config(args, args.command),
-                stall_timeout_s=args.stall_timeout,
-                drain_timeout_s=args.drain_timeout,
-                tls=tls_config(args),
-                cluster_token=cluster_token(args),
-                roofline=args.roofline,
-                borrow_cpus=borrow,
-            )
-        )
-    )
+    return run(serve_worker(worker_options(args)))
 
 
 def cmd_gateway(args) -> int:
@@ -318,12 +333,15 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             help="skip measuring memory bandwidth and GEMM rate at start (~0.5 s); then no "
             "pdserve_step_roofline_fraction",
         )
+        if role != "prefill":
+            _stream_interval_arg(w)
         _drain_arg(w)
         _tls_args(w)
         _observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
     engine_args(up)
+    _stream_interval_arg(up)
     up.add_argument("--port", type=int, default=50051)
     _http_arg(up)
     _placement_arg(up)

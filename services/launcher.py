@@ -139,6 +139,16 @@ def engine_argv(args) -> list[str]:
     return argv
 
 
+def stream_argv(args, role: str) -> list[str]:
+    """What a worker of ``role`` gets of ``pdserve up --stream-interval``: decode and colocated
+    workers stream the tokens; a prefill worker returns only the first."""
+    if not args.stream_interval >= 0:
+        raise ValueError(f"--stream-interval must be >= 0 ms, got {args.stream_interval:g}")
+    if role == "prefill" or not args.stream_interval:
+        return []
+    return ["--stream-interval", f"{args.stream_interval:g}"]
+
+
 def threads_per_worker(args) -> int:
     """``--threads-per-worker``, or ``--threads`` (the engine option of every other command;
     here it is each worker's too, not the cluster's); 1 by default. ValueError when the two
@@ -168,6 +178,7 @@ def cmd_up(args) -> int:
     script) with SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
     try:
         args.threads_per_worker = threads_per_worker(args)
+        stream_argv(args, "decode")  # checked before anything starts
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
@@ -231,6 +242,7 @@ def cmd_up(args) -> int:
                 argv += ["--cpus", cpu]
             if i in borrow:
                 argv += ["--borrow-cpus", borrow[i]]
+            argv += stream_argv(args, role)
             started = start_process(argv, env=env)  # registered with the gateway once READY
             name = f"{role}-{roles[:i].count(role)}"
             cluster.add(name, argv, started.proc)

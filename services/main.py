@@ -66,9 +66,16 @@ class WorkerOptions:
     # prefill and decode workers: the cores of the other role's worker beside it, whose time its
     # engine's steps also take while that one is idle (pdserve/engine_loop.py EngineLoop._borrow)
     borrow_cpus: frozenset[int] = frozenset()
+    # decode and colocated workers: a request's tokens go to the gateway at most this often,
+    # those produced between in one message (pdserve/engine_loop.py EngineLoop._coalesce)
+    stream_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
+        if not self.stream_interval_s >= 0:
+            raise ValueError(
+                f"--stream-interval must be >= 0 ms, got {self.stream_interval_s * 1000:g}"
+            )
         if self.borrow_cpus and self.role == "colocated":
             raise ValueError(
                 "a colocated worker borrows no cores (--borrow-cpus): give it --threads"
@@ -149,7 +156,7 @@ def _worker_parts(opts: WorkerOptions):
         server = rpc.Server(["pdserve.v1.Prefill"], errors=STATUS_CODES)
         worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server.server)
     else:
-        worker = DecodeWorker(engine, transport, metrics, opts.borrow_cpus)
+        worker = DecodeWorker(engine, transport, metrics, opts.borrow_cpus, opts.stream_interval_s)
         server = rpc.Server(["pdserve.v1.Decode"], errors=STATUS_CODES)
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server.server)
     return engine, layout, worker, server

@@ -128,9 +128,11 @@ class DecodeWorker:
         transport: KVTransport | None,
         metrics: WorkerMetrics | None = None,
         borrow_cpus: frozenset[int] = frozenset(),
+        stream_interval_s: float = 0.0,
     ) -> None:
         """``borrow_cpus``: the cores of the prefill worker beside it, which its engine's steps
-        also use while no KV is on its way here (EngineLoop._borrow)."""
+        also use while no KV is on its way here (EngineLoop._borrow); ``stream_interval_s``: a
+        request's tokens are handed on at most this often (EngineLoop._coalesce)."""
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()
@@ -143,6 +145,7 @@ class DecodeWorker:
             step_seconds=observe,
             borrow_cpus=borrow_cpus,
             may_borrow=lambda: not engine.kv_on_its_way(),
+            stream_interval_s=stream_interval_s,
         )
         self._unsettled: set[asyncio.Task[None]] = set()  # blocks freed once a write has landed
         if transport is not None:

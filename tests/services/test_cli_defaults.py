@@ -288,3 +288,21 @@ def test_pdserve_up_threads_are_each_workers_whichever_option_says_so():
         threads("--threads", "2", "--threads-per-worker", "1")
     with pytest.raises(ValueError, match="at least one thread, got 0"):
         threads("--threads-per-worker", "0")
+
+
+def test_the_stream_interval_reaches_the_workers_that_stream():
+    """`pdserve up --stream-interval 10`: the decode and colocated workers hand a request's tokens
+    on at most every 10 ms; a prefill worker returns only the first token and gets nothing."""
+    from pdserve.services.launcher import stream_argv
+
+    up = build_parser().parse_args(["up", "--stream-interval", "10"])
+    for role in ("decode", "colocated"):
+        worker = build_parser().parse_args([role, *stream_argv(up, role)])
+        assert serve_cli.worker_options(worker).stream_interval_s == 0.01
+    assert stream_argv(up, "prefill") == []
+    assert stream_argv(build_parser().parse_args(["up"]), "decode") == []
+    assert serve_cli.worker_options(build_parser().parse_args(["decode"])).stream_interval_s == 0
+    with pytest.raises(SystemExit):  # a prefill worker has no such option
+        build_parser().parse_args(["prefill", "--stream-interval", "10"])
+    with pytest.raises(ValueError, match="--stream-interval must be >= 0 ms, got -5"):
+        stream_argv(build_parser().parse_args(["up", "--stream-interval", "-5"]), "decode")
