@@ -32,6 +32,12 @@ TWO_PREFILL = [  # routing between prefill workers: one core each, the decode wo
 ]
 
 
+def streaming_args(workers: list[list[str]], extra: list[str]) -> list[list[str]]:
+    """``workers`` (argv each) with ``extra`` given to those that stream tokens: all but the
+    prefill workers (which return only a prompt's first token), e.g. --stream-interval."""
+    return [w if w[0] == "prefill" else [*w, *extra] for w in workers]
+
+
 @contextlib.contextmanager
 def cluster(
     workers: list[list[str]],

@@ -25,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DISAGGREGATED, run_cluster  # noqa: E402
+from bench.common import DISAGGREGATED, run_cluster, streaming_args  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -45,11 +45,6 @@ def worker_args(variant: str) -> list[str]:
     if variant.startswith(STREAM_PREFIX):
         return ["--stream-interval", variant.removeprefix(STREAM_PREFIX)]
     return []
-
-
-def with_args(workers: list[list[str]], extra: list[str]) -> list[list[str]]:
-    """``workers`` with ``extra`` given to each one but the prefill workers."""
-    return [w if w[0] == "prefill" else [*w, *extra] for w in workers]
 
 
 def offline_step_ms(engine_args: list[str], env: dict[str, str]) -> float:
@@ -95,7 +90,7 @@ def main() -> None:
             shape, _, name = variant.rpartition("/")
             env = VARIANTS.get(name, {})
             step = offline_step_ms(engine, env)
-            workers = with_args(shapes[shape or "colocated"], worker_args(name))
+            workers = streaming_args(shapes[shape or "colocated"], worker_args(name))
             s = run_cluster(workers, load, env=env)
             tpot = s["tpot_s"]["p50"] * 1e3
             tokens = s["output_tokens_per_s"] * s["wall_s"]

@@ -18,7 +18,8 @@ A pdserve system is ``NAME=colocated|disaggregated [worker options]``; disaggreg
 prefill worker on core 0 and one decode worker on core 1 (one thread each, the prefill core
 borrowed while it is idle), as ``pdserve up``; ``disaggregated-no-borrow`` is that as ``pdserve up
 --no-borrow``. Options written ``gateway:OPTION`` go to the gateway instead, e.g.
-``up-q4=disaggregated --quantization gguf gateway:--decode-prefill-budget=3``.
+``up-q4=disaggregated --quantization gguf gateway:--decode-prefill-budget=3``, and those written
+``decode:OPTION`` to the decode (or colocated) worker only, e.g. ``decode:--stream-interval=50``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import DISAGGREGATED, DISAGGREGATED_NO_BORROW, cluster, cpu_seconds  # noqa: E402
+from bench.common import (  # noqa: E402
+    DISAGGREGATED,
+    DISAGGREGATED_NO_BORROW,
+    cluster,
+    cpu_seconds,
+    streaming_args,
+)
 from pdserve.model.fetch import DEFAULT_MODEL, gguf_source, resolve_model  # noqa: E402
 
 WORKLOADS = {"c1": (8, 1), "c8": (32, 8), "c32": (64, 32)}  # requests, users
@@ -74,8 +81,9 @@ def measure(tool: str, url: str, procs, requests: int, users: int, args) -> dict
 
 def run_pdserve(spec: str, requests: int, users: int, args) -> dict:
     kind, *options = shlex.split(spec)
-    engine = [o for o in options if not o.startswith("gateway:")]
+    engine = [o for o in options if not o.startswith(("gateway:", "decode:"))]
     gateway = [o.removeprefix("gateway:") for o in options if o.startswith("gateway:")]
+    decode = [o.removeprefix("decode:") for o in options if o.startswith("decode:")]
     if kind == "colocated":
         workers = [["colocated", *engine]]
     elif kind == "disaggregated":
@@ -86,6 +94,7 @@ def run_pdserve(spec: str, requests: int, users: int, args) -> dict:
         raise SystemExit(
             f"pdserve system kind {kind!r}: use colocated, disaggregated or disaggregated-no-borrow"
         )
+    workers = streaming_args(workers, decode)
     with cluster(workers, gateway_args=gateway) as (address, procs):
         return measure("grpc_load.py", address, procs, requests, users, args)
 
