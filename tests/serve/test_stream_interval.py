@@ -4,6 +4,7 @@ usage right, and no block left behind."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 from pdserve.services.main import WorkerOptions
 
@@ -47,6 +48,27 @@ def test_tokens_within_the_interval_come_in_one_message(cluster, expected, roles
     assert [t for m in got for t in m.token_ids] == expected
     assert got[-1].finish_reason == "length"
     assert (got[-1].usage.prompt_tokens, got[-1].usage.completion_tokens) == (len(PROMPT), 12)
+    assert_no_leaks(c.live())
+
+
+def test_the_openai_api_streams_several_tokens_a_chunk_with_their_logprobs(cluster):
+    """Over HTTP the chunk of several tokens is one SSE event: its text, and one logprobs entry a
+    token; the same text and logprobs as the answer in one piece."""
+    c = cluster(prefill=0, decode=0, http=True)
+    c.start_worker("colocated-0", "colocated", stream_interval_s=3600.0)
+    asked = dict(
+        prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    with openai.OpenAI(
+        base_url=f"http://{c.http_address}/v1", api_key="-", max_retries=0, timeout=30
+    ) as oai:
+        model = oai.models.list().data[0].id
+        whole = oai.completions.create(model=model, **asked).choices[0]
+        chunks = [ch.choices[0] for ch in oai.completions.create(model=model, stream=True, **asked)]
+    assert [len(ch.logprobs.tokens) for ch in chunks] == [1, 11]
+    assert "".join(ch.text for ch in chunks) == whole.text
+    assert [t for ch in chunks for t in ch.logprobs.token_logprobs] == whole.logprobs.token_logprobs
+    assert [ch.finish_reason for ch in chunks] == [None, "length"]
     assert_no_leaks(c.live())
 
 
