@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     for v in args.variants.split(","):
-        if v not in VARIANTS and not v.removeprefix(STREAM_PREFIX).replace(".", "").isdigit():
+        interval = v.removeprefix(STREAM_PREFIX)
+        if v not in VARIANTS and not (interval != v and interval.replace(".", "", 1).isdigit()):
             p.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, or {STREAM_PREFIX}MS")
     model = ["--dtype", args.dtype, "--quantization", args.quantization]
     engine = ["--threads", str(args.threads), *model]

@@ -21,8 +21,9 @@
  *               hi_p(i) = q[16 g + 8 + i / 2][2 p + i % 2]
  *
  * so that one 64-byte load serves four pairs of k: shifted right by 4 j, its 16 dwords give in
- * their low 4 bits (through a 16-entry table, vpermps, which reads no other bits) the values of
- * outputs 0-7 of the group at k and k + 1 interleaved (j even) or of outputs 8-15 (j odd);
+ * their low 4 bits, nibble j of each (through a 16-entry table, vpermps, which reads no other
+ * bits), the values of outputs 0-7 of the group at k and k + 1 interleaved (j even) or of
+ * outputs 8-15 (j odd);
  * their fp32 values q d + m (exact: q d is) rounded by vcvtne2ps2bf16 are then the dwords
  * (w[n][k], w[n][k + 1]) for n = 16 g .. 16 g + 15 in order: the packed kernel's register.
  * (Until 2026-11-28 each pair of k had 16 bytes, widened to dwords by vpmovzxbd: one shuffle
