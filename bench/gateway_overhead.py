@@ -6,7 +6,11 @@ colocated worker (each user's requests go in turn):
 - http:   the gateway's OpenAI ``POST /v1/completions`` with ``stream: true`` (same token ids).
 
 Every request: the same prompt length (token ids drawn from the vocabulary), greedy,
-``ignore_eos``, the same output length. The modes share the worker's batches, so the difference of
+``ignore_eos``, the same output length — or, with ``--output-len A-B``, a length drawn per request
+(seeded; every mode gets the same mix). With one length, every user's request ends at the same
+decode step and the next 32 start in the same millisecond: each process on the path (gateway,
+worker) takes them one after the other. Drawn lengths spread the starts over the steps, as
+requests of a real load arrive. The modes share the worker's batches, so the difference of
 their latencies is the path's. Reported per mode: latency and TTFT percentiles (median over
 rounds), what the gateway adds (mode minus direct) and the gateway process's CPU per request.
 The worker gets one core (``--cpus``), the gateway and this client share the other.
@@ -139,9 +143,6 @@ async def run_mixed(
     different modes), so the three modes share the worker's batches at every moment: what
     differs between their latencies is the path, not the load. Each request is appended to
     ``sent`` (for the span analysis, gateway_spans.py)."""
-    params = sampling_to_proto(
-        SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    )
     queue = list(reversed(prompts))
     results: dict[str, list[RequestResult]] = {m: [] for m in MODES}
     async with (
@@ -166,7 +167,11 @@ async def run_mixed(
         worker = worker_pb2_grpc.DecodeStub(wch)
         gateway = generation_pb2_grpc.GenerationStub(gch)
 
-        async def one(mode: str, ids: list[int]) -> RequestResult:
+        async def one(mode: str, prompt: tuple[list[int], int]) -> RequestResult:
+            ids, output_len = prompt
+            params = sampling_to_proto(
+                SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+            )
             rid = f"{mode}-{secrets.token_hex(6)}"
             start_ns = time.time_ns()
             if mode == "direct":
@@ -174,7 +179,7 @@ async def run_mixed(
             elif mode == "grpc":
                 r = await via_grpc(gateway, ids, params, rid)
             else:
-                r = await via_http(client, ids, args.output_len, rid)
+                r = await via_http(client, ids, output_len, rid)
             if sent is not None and not r.error:
                 sent.append(Sent(mode, rid, start_ns, r.latency, r.ttft, r.ttft + sum(r.itl)))
             return r
@@ -201,13 +206,30 @@ async def run_mixed(
     return out
 
 
+def _length_range(text: str) -> tuple[int, int]:
+    """'16' -> (16, 16); '8-24' -> (8, 24)."""
+    lo, _, hi = text.partition("-")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or A-B (tokens), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return low, high
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--users", type=int, default=32)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument(
+        "--output-len",
+        type=_length_range,
+        default=(16, 16),
+        help="output tokens: N, or A-B for a length drawn per request (default 16)",
+    )
     p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -272,7 +294,10 @@ def main() -> None:
         rng = random.Random(args.seed)
         vocab = 49152
         prompts = [
-            [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+            (
+                [rng.randrange(100, vocab) for _ in range(args.prompt_len)],
+                rng.randint(*args.output_len),
+            )
             for _ in range(args.requests)
         ]
         warm = argparse.Namespace(**{**vars(args), "users": 6})
