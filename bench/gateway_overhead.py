@@ -339,6 +339,10 @@ def main() -> None:
             s["gateway_cpu_ms_per_request"] for s in runs[mode]
         )
     print("\nmedian over rounds (ms); added = mode - direct")
+    if args.output_len[0] != args.output_len[1]:
+        print(
+            "(output lengths drawn per request: each mode had its own mix; compare --spans' pairs)"
+        )
     for mode in MODES:
         s, d = summary[mode], summary["direct"]
         print(
