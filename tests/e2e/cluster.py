@@ -8,6 +8,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -94,10 +95,13 @@ class Up:
         env = {**os.environ, **UCX_ENV}
         for name in unset:
             env.pop(name, None)
+        # its processes' logs (a file: a pipe nobody reads would fill and block them), shown
+        # when it fails to come up
+        self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
             env=env,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
@@ -114,7 +118,14 @@ class Up:
             if line.startswith("processes: "):  # "processes: gateway pid 1 at host:port, ..."
                 self.pids = {p.split()[0]: int(p.split()[2]) for p in line[11:].split(", ")}
                 break
-        assert self.address, f"pdserve up exited with {self.proc.wait()} before it was up"
+        if not self.address:
+            code = self.proc.wait()
+            self.stderr.seek(0)
+            tail = self.stderr.read()[-4000:]
+            self.stderr.close()
+            raise AssertionError(
+                f"pdserve up exited with {code} before it was up; its stderr:\n{tail}"
+            )
 
     def worker_option(self, name: str, option: str) -> str:
         """The value of ``option`` on worker ``name``'s command line."""
@@ -131,3 +142,4 @@ class Up:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.stderr.close()
