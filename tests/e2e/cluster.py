@@ -98,13 +98,17 @@ class Up:
         # its processes' logs (a file: a pipe nobody reads would fill and block them), shown
         # when it fails to come up
         self.stderr = tempfile.TemporaryFile(mode="w+")
+        # SIGINT ignored as a shell ignores it for a background job (an ignored signal stays
+        # ignored across exec). Not with preexec_fn: Python code run in a child forked from this
+        # multithreaded process may deadlock or abort before its exec (a CI run saw `up` "exit"
+        # with SIGABRT and no output, as such a child would).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
+            ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+            + [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *argv],
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
             env=env,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         self.address = self.base_url = None
         self.words: list[str] = []  # of the line "pdserve is up: gateway at ..."
