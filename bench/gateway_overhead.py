@@ -7,7 +7,8 @@ colocated worker (each user's requests go in turn):
 
 Every request: the same prompt length (token ids drawn from the vocabulary), greedy,
 ``ignore_eos``, the same output length — or, with ``--output-len A-B``, a length drawn per request
-(seeded; every mode gets the same mix). With one length, every user's request ends at the same
+(seeded; the modes draw from the same lengths, not the same requests: compare them through
+``--spans``' pairs). With one length, every user's request ends at the same
 decode step and the next 32 start in the same millisecond: each process on the path (gateway,
 worker) takes them one after the other. Drawn lengths spread the starts over the steps, as
 requests of a real load arrive. The modes share the worker's batches, so the difference of
@@ -15,7 +16,8 @@ their latencies is the path's. Reported per mode: latency and TTFT percentiles (
 rounds), what the gateway adds (mode minus direct) and the gateway process's CPU per request.
 The worker gets one core (``--cpus``), the gateway and this client share the other.
 
-    .venv/bin/python bench/gateway_overhead.py --users 32 --requests 128 --rounds 3 --json out.json
+    .venv/bin/python bench/gateway_overhead.py --users 32 --requests 192 --rounds 3 --spans --client-cpu 1 \
+        --output-len 8-24 --json out.json
 """
 
 from __future__ import annotations
