@@ -43,7 +43,12 @@ from pdserve.services.launcher import start_process, stop_processes  # noqa: E40
 
 from bench.common import ENV, cpu_seconds  # noqa: E402
 from bench.gateway_spans import METRICS, Sent, complete, summarize  # noqa: E402
-from pdserve.bench_serve import RequestResult, percentiles  # noqa: E402
+from pdserve.bench_serve import (  # noqa: E402
+    RequestResult,
+    parse_lengths,
+    percentiles,
+    sample_length,
+)
 from pdserve.otlp_sink import SpanSink  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -208,18 +213,6 @@ async def run_mixed(
     return out
 
 
-def _length_range(text: str) -> tuple[int, int]:
-    """'16' -> (16, 16); '8-24' -> (8, 24)."""
-    lo, _, hi = text.partition("-")
-    try:
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or A-B (tokens), got {text!r}") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
-    return low, high
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--users", type=int, default=32)
@@ -228,9 +221,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
     p.add_argument(
         "--output-len",
-        type=_length_range,
-        default=(16, 16),
-        help="output tokens: N, or A-B for a length drawn per request (default 16)",
+        type=parse_lengths,
+        default="16",
+        help="output tokens: N, or A-B for a length drawn per request (as pdserve bench serve's "
+        "--prompt-words; default 16)",
     )
     p.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--seed", type=int, default=0)
@@ -298,7 +292,7 @@ def main() -> None:
         prompts = [
             (
                 [rng.randrange(100, vocab) for _ in range(args.prompt_len)],
-                rng.randint(*args.output_len),
+                sample_length(rng, args.output_len),
             )
             for _ in range(args.requests)
         ]
@@ -341,7 +335,7 @@ def main() -> None:
             s["gateway_cpu_ms_per_request"] for s in runs[mode]
         )
     print("\nmedian over rounds (ms); added = mode - direct")
-    if args.output_len[0] != args.output_len[1]:
+    if any(lo != hi for _, lo, hi in args.output_len) or len(args.output_len) > 1:
         print(
             "(output lengths drawn per request: each mode had its own mix; compare --spans' pairs)"
         )

@@ -40,11 +40,14 @@ VARIANTS = {
 STREAM_PREFIX = "stream"
 
 
-def worker_args(variant: str) -> list[str]:
-    """Options the serving worker gets for ``variant``."""
-    if variant.startswith(STREAM_PREFIX):
-        return ["--stream-interval", variant.removeprefix(STREAM_PREFIX)]
-    return []
+def worker_args(variant: str) -> list[str] | None:
+    """Options the serving worker gets for ``variant``; None: no such variant."""
+    if variant in VARIANTS:
+        return []
+    interval = variant.removeprefix(STREAM_PREFIX)
+    if interval != variant and interval.replace(".", "", 1).isdigit():
+        return ["--stream-interval", interval]
+    return None
 
 
 def offline_step_ms(engine_args: list[str], env: dict[str, str]) -> float:
@@ -72,8 +75,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     for v in args.variants.split(","):
-        interval = v.removeprefix(STREAM_PREFIX)
-        if v not in VARIANTS and not (interval != v and interval.replace(".", "", 1).isdigit()):
+        if worker_args(v) is None:
             p.error(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}, or {STREAM_PREFIX}MS")
     model = ["--dtype", args.dtype, "--quantization", args.quantization]
     engine = ["--threads", str(args.threads), *model]
