@@ -110,13 +110,35 @@ def warm_then_load(address: str, args, tls_ca: str | None = None) -> dict:
     )
 
 
+def _with_descendants(pids: list[int]) -> set[int]:
+    """``pids`` and every process below them alive now (a server's own worker processes: vLLM's
+    engine and worker run in children of the process started)."""
+    seen, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:  # it exited meanwhile
+            pass
+    return seen
+
+
 def cpu_seconds(procs) -> float:
-    """User + system CPU seconds the processes have used so far (Linux /proc)."""
+    """User + system CPU seconds the processes and their live descendants have used so far
+    (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
-    for p in procs:
-        with open(f"/proc/{p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+    for pid in _with_descendants([p.pid for p in procs]):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / tick
 
