@@ -187,11 +187,12 @@ def main() -> None:
             "the OpenAI peers are driven by openai_load.py, which needs aiohttp: "
             "install the bench extra first (.venv/bin/pip install -e '.[bench]')"
         )
-    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {unknown}: choose from {sorted(WORKLOADS)}")
     results: dict[str, dict[str, dict]] = {}
-    for w in args.workloads.split(","):
+    for w in workloads:
         requests, users = WORKLOADS[w]
         for name, what, run in systems:
             r = run(what, requests, users, args)
