@@ -444,9 +444,9 @@ def _placement_arg(p: argparse.ArgumentParser) -> None:
         type=float,
         default=GatewayConfig.decode_prefill_budget_s,
         metavar="SECONDS",
-        help="a decode worker prefills a prompt itself while the prefill workers' queue is longer "
-        "and its own prefills fit in this many seconds of its streams' time (0: always "
-        "disaggregate)",
+        help="a decode worker prefills a prompt itself while the prefill worker's queue is longer "
+        "and the seconds its own prefills hold its streams back (streams × seconds) fit in this "
+        "many per prompt waiting at the prefill worker (0: always disaggregate)",
     )
 
 

@@ -67,10 +67,18 @@ class GatewayRequest:
         )
 
     def routed(
-        self, mode: str, decode: str, prefill: str, attempt: int, placement: str = ""
+        self,
+        mode: str,
+        decode: str,
+        prefill: str,
+        attempt: int,
+        placement: str = "",
+        why: dict | None = None,
     ) -> None:
-        """Record one routing decision as a ``router.pick`` span (it takes no measurable time)."""
+        """Record one routing decision as a ``router.pick`` span (it takes no measurable time);
+        ``why``: what placement weighed (its attributes and the log line's)."""
         now = time.time_ns()
+        why = why or {}
         telemetry.record_span(
             "router.pick",
             self.ctx,
@@ -83,6 +91,7 @@ class GatewayRequest:
                 "prefill": prefill,
                 "attempt": attempt,
                 "placement": placement,
+                **why,
             },
         )
         if attempt == 0:
@@ -106,6 +115,7 @@ class GatewayRequest:
             prefill=prefill,
             attempt=attempt,
             placement=placement,
+            **why,
         )
 
     def tokens(self, n: int, text: str, finish_reason: str) -> None:

@@ -359,10 +359,14 @@ class Gateway:
         here = costs.tokens_to_compute(decode, job, costs.now(), self.router.stale_s)
         reason = placement.decide(here, prefill, decode, self.config)
         self.metrics.placement.labels(reason).inc()
+        why = {
+            "prefill_prompts": prefill.prompts,
+            "decode_streams": decode.streams + decode.prompts,
+        }
         if reason != placement.DISAGGREGATED:
-            req.routed("local:decode", decode.address, "", attempt, reason)
+            req.routed("local:decode", decode.address, "", attempt, reason, why)
             return self._local(decode, rid, job, params, timeout, md)
-        req.routed("disaggregated", decode.address, prefill.address, attempt, reason)
+        req.routed("disaggregated", decode.address, prefill.address, attempt, reason, why)
         return self._disaggregated(decode, prefill, rid, job, params, timeout, md)
 
     async def _released(self) -> None:
@@ -381,6 +385,7 @@ class Gateway:
         todo = costs.tokens_to_compute(worker, job, costs.now(), self.router.stale_s)
         worker.outstanding_tokens += cost
         worker.local_prefill_tokens += todo  # until its first token
+        worker.prompts += 1
         blocks = costs.request_blocks(worker, cost)
         sent_at = worker.sent(todo, blocks)
         prefilling = True
@@ -391,6 +396,8 @@ class Gateway:
             async for msg in read(call, worker):
                 if prefilling:
                     worker.local_prefill_tokens -= todo
+                    worker.prompts -= 1
+                    worker.streams += 1
                     prefilling = False
                 yield chunk(msg.tokens, msg.tokens.cached_prompt_tokens)
         finally:
@@ -398,6 +405,9 @@ class Gateway:
             worker.done(sent_at, todo, blocks)
             if prefilling:
                 worker.local_prefill_tokens -= todo
+                worker.prompts -= 1
+            else:
+                worker.streams -= 1
             costs.prompt_ended(worker, job, computed=not prefilling)
             worker.calls.discard(call)
             call.cancel()
@@ -415,6 +425,7 @@ class Gateway:
         hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
+        prefill.prompts += 1
         blocks = costs.request_blocks(decode, cost)
         decode_sent_at = decode.sent(0, blocks)
         prefill_sent_at = prefill.sent(prefill_todo)
@@ -429,7 +440,7 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
-        prefill_done = prefilled = admitted = False
+        prefill_done = prefilled = admitted = streaming = False
         try:
             reader = read(call, decode)
             first = await anext(reader, None)
@@ -464,21 +475,27 @@ class Gateway:
             finally:
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= prefill_todo
+                prefill.prompts -= 1
                 prefill.done(prefill_sent_at, prefill_todo)
                 costs.prompt_ended(prefill, job, prefilled)
                 prefill_done = True
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
+            decode.streams += 1
+            streaming = True
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
             async for msg in reader:
                 yield chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
             decode.outstanding_tokens -= cost
             decode.done(decode_sent_at, 0, blocks)
+            if streaming:
+                decode.streams -= 1
             if admitted:
                 costs.prompt_ended(decode, job, prefilled)
             decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= prefill_todo
+                prefill.prompts -= 1
                 prefill.done(prefill_sent_at, prefill_todo)
             call.cancel()
             await self._released()

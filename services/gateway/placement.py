@@ -9,9 +9,22 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
 - what it would compute of the prompt is short (``local_prefill_tokens``): the hop and the
   transfer cost more than the prefill, and a few tokens fit beside a decode step; or
 - the prefill worker's queue would hold it longer than the prefills this decode worker has taken
-  on (this one included) take, and those fit in ``decode_prefill_budget_s`` — the longest the
-  decode worker's streams may be held back, the TPOT budget. Under load this balances the two
-  queues; when prefill keeps up, its queue is empty and every prompt goes there.
+  on (this one included) take, ``h`` seconds, and the decode worker is starved: the ``P``
+  prompts waiting at the prefill worker are at least ``STARVED`` (2) per stream it runs (``S``,
+  counting the prompts it is prefilling itself: they are streams the next one holds back), and
+  the time that holds its streams back is paid for by those prompts: ``S·h ≤
+  decode_prefill_budget_s · P`` (S at least 1). The budget is how long each waiting prompt may
+  hold the decode worker's streams back. When prefill keeps up, its queue is empty and every
+  prompt goes there. When it is the bottleneck with a decode batch that stays small (long
+  prompts on one prefill core: tens waiting, a few streams), both cores prefill and the batch
+  fills; while the batch is as large as half the queue, no prompt beyond a short one holds it
+  back, and its TPOT stays protected. The factor 2 is measured, not derived: on a 2-core Zen 3
+  at placement time, P/S was 2-8 under W-c32 (32 users, long prompts: prefill-bound, and the
+  decode core's prefills raise throughput) and 1-2 under W-mixed (mostly short prompts behind a
+  few long ones: its prefills only hold streams back). (Until 2026-11-28 the rule was ``h ≤
+  budget`` whatever S and P: a budget small enough for W-mixed's TPOT left W-c32's decode
+  worker running batches of ~3, one large enough for W-c32 held W-mixed's batches back;
+  docs/benchmarks.md, "One placement rule for both loads".)
 
 Work is counted in prompt tokens to compute: a prompt less the leading blocks the worker is
 expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
@@ -35,6 +48,9 @@ from pdserve.services.gateway.cost import measured_token_s
 from pdserve.services.gateway.registry import Worker
 
 RATE_WEIGHT = 0.2  # of a new measurement in the average
+# A decode worker is starved (may prefill beyond a short prompt) while the prefill worker holds
+# at least this many prompts per stream it runs
+STARVED = 2
 
 SHORT_PROMPT = "short_prompt"
 PREFILL_BUSY = "prefill_busy"
@@ -73,6 +89,13 @@ def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig)
         rate = 1.0 / token_s
     wait_there = prefill.outstanding_tokens / rate  # a prefill worker's: prompt tokens to compute
     here = (decode.local_prefill_tokens + num_tokens) / rate
-    if wait_there > here and here <= cfg.decode_prefill_budget_s:
+    if wait_there <= here:
+        return DISAGGREGATED
+    # the prompts it is prefilling itself are streams the next one holds back
+    streams, waiting = decode.streams + decode.prompts, prefill.prompts
+    if (
+        waiting >= STARVED * streams
+        and here * max(streams, 1) <= cfg.decode_prefill_budget_s * waiting
+    ):
         return PREFILL_BUSY
     return DISAGGREGATED

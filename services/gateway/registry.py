@@ -27,6 +27,10 @@ class Worker:
     failures: int = 0
     prefill_rate: float | None = None  # prefill workers: prompt tokens computed/s (placement.py)
     local_prefill_tokens: int = 0  # prompt tokens it is computing itself for us now
+    # of this gateway's requests there: prompts queued or computing, streams past their first
+    # token (decode and colocated workers) — placement.py weighs one against the other
+    prompts: int = 0
+    streams: int = 0
     channel: object = field(default=None, repr=False)
     # the gateway's calls running there now; evict() cancels them (their requests resume elsewhere)
     calls: set = field(default_factory=set, repr=False)

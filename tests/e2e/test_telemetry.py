@@ -123,6 +123,8 @@ def test_one_request_is_one_trace_across_the_three_services(traced, default_mode
     assert a["ttft_s"] > 0 and a["tpot_s"] > 0 and gw["status"] != "ERROR"
     pick = t["router.pick"]["attributes"]
     assert pick["policy"] == "cost" and pick["mode"] == "disaggregated"
+    # what placement weighed: nothing else of the gateway's at either worker
+    assert (pick["prefill_prompts"], pick["decode_streams"]) == (0, 0)
     assert pick["decode"] == c.workers["decode"][1] and pick["prefill"] == c.workers["prefill"][1]
     assert t["decode.admit"]["attributes"]["blocks_reserved"] == 3
     p = t["prefill.prefill"]["attributes"]

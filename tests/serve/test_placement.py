@@ -15,6 +15,7 @@ from pdserve.v1 import worker_pb2
 from tests.helpers import assert_no_leaks
 
 CFG = GatewayConfig(local_prefill_tokens=32, decode_prefill_budget_s=0.5)
+BUSY, DISAGGREGATED = placement.PREFILL_BUSY, placement.DISAGGREGATED
 
 
 def _worker(role: str, **state) -> Worker:
@@ -47,27 +48,102 @@ def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
         (33, {}, {}, placement.DISAGGREGATED),  # no rate yet: ship it
         # prefill idle: ship it
         (400, {"prefill_rate": 1000.0}, {}, placement.DISAGGREGATED),
-        # 0.6 s queued there > 0.4 s here, 0.4 s within the 0.5 s budget
-        (400, {"prefill_rate": 1000.0, "outstanding_tokens": 600}, {}, placement.PREFILL_BUSY),
+        # 0.6 s queued there > 0.4 s here; one prompt waiting there pays for 0.4 s of one
+        # (or no) stream held back: within its 0.5 s budget
+        (400, {"prefill_rate": 1000.0, "outstanding_tokens": 600, "prompts": 1}, {}, BUSY),
         # here would take 0.45 s (50 already taken on) > what waits there (0.4 s)
         (
             400,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 400},
-            {"local_prefill_tokens": 50},
-            placement.DISAGGREGATED,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 400, "prompts": 1},
+            {"local_prefill_tokens": 50, "prompts": 1},
+            DISAGGREGATED,
         ),
-        # queued long there, but 0.6 s here is over the budget
-        (600, {"prefill_rate": 1000.0, "outstanding_tokens": 5000}, {}, placement.DISAGGREGATED),
+        # queued long there, but 0.6 s here is over the one waiting prompt's budget
+        (
+            600,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 1},
+            {},
+            DISAGGREGATED,
+        ),
+        # ... and within ten's: 2 streams held back 0.6 s (1.2 stream-s) against 10 prompts
+        # waiting there at 0.5 s each (5 s): a prefill-bound load with a small decode batch
+        (
+            600,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 10},
+            {"streams": 2},
+            BUSY,
+        ),
+        # 4 prompts waiting, 8 streams: not starved (fewer than 2 prompts a stream), its batch is
+        # not held back (4 × 0.5 s would pay for 0.25 s of 8 streams)
+        (
+            600,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 4},
+            {"streams": 8},
+            DISAGGREGATED,
+        ),
+        # ... not even by a short prompt the waiting prompts would pay for (2 × 0.2 s ≤ 3 × 0.5
+        # s): 3 prompts for 2 streams is a decode batch as large as the prefill worker can feed
+        (
+            200,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 3},
+            {"streams": 2},
+            DISAGGREGATED,
+        ),
+        # a full batch is not held back: 12 streams, 1 prompt waiting
+        (
+            300,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 1},
+            {"streams": 12},
+            DISAGGREGATED,
+        ),
+        # a prompt it is prefilling itself counts as a stream the next one holds back: 2 × 1.8 s
+        # > 6 prompts × 0.5 s (counted as 1 stream, 1.8 s would fit); 8 prompts pay for it
+        (
+            400,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 6},
+            {"streams": 1, "prompts": 1, "local_prefill_tokens": 1400},
+            DISAGGREGATED,
+        ),
+        (
+            400,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 8},
+            {"streams": 1, "prompts": 1, "local_prefill_tokens": 1400},
+            BUSY,
+        ),
+        # no stream at all: 5 prompts' budgets (2.5 s), this one's 2.6 s is over
+        (
+            2600,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 9000, "prompts": 5},
+            {},
+            DISAGGREGATED,
+        ),
+        # many waiting, but what waits there (2 s) is shorter than computing it here (3 s)
+        (
+            3000,
+            {"prefill_rate": 1000.0, "outstanding_tokens": 2000, "prompts": 10},
+            {},
+            DISAGGREGATED,
+        ),
         # nothing measured by this gateway yet: the worker's own report (1 ms a token) decides
-        (400, {"report": _report(0.001), "outstanding_tokens": 600}, {}, placement.PREFILL_BUSY),
-        (400, {"report": _report(0.0), "outstanding_tokens": 600}, {}, placement.DISAGGREGATED),
+        (400, {"report": _report(0.001), "outstanding_tokens": 600, "prompts": 1}, {}, BUSY),
+        (
+            400,
+            {"report": _report(0.0), "outstanding_tokens": 600, "prompts": 1},
+            {},
+            DISAGGREGATED,
+        ),
         # ... and what this gateway measured comes first: 0.3 s here at its 2,000 tokens/s, within
         # the budget (at the report's 1,000, 0.6 s would not be)
         (
             600,
-            {"prefill_rate": 2000.0, "report": _report(0.001), "outstanding_tokens": 5000},
+            {
+                "prefill_rate": 2000.0,
+                "report": _report(0.001),
+                "outstanding_tokens": 5000,
+                "prompts": 1,
+            },
             {},
-            placement.PREFILL_BUSY,
+            BUSY,
         ),
     ],
 )
@@ -86,16 +162,31 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_ship
     c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     short, long = list(range(5, 15)), list(range(5, 105))
+    prefill = c.workers["prefill-0"]
+    registry = c.gateway.gateway.registry.workers
+    p, d = registry[prefill.worker_id], registry[c.workers["decode-0"].worker_id]
     with Client(c.address, timeout=60) as client:
         got_short = client.complete(short, params)
         got_long = client.complete(long, params)
-    prefill = c.workers["prefill-0"]
-    assert c.served("prefill-0") == 1  # the long one
-    assert c.served("decode-0") == 2
-    assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
-    assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 1
+        # what placement weighs: past its first token a request is a stream on its decode
+        # worker, no longer a prompt at the prefill worker; both counts go back to 0 at its end
+        stream = client.generate_stream(long[1:], params)
+        next(stream)
+        assert (p.prompts, d.streams) == (0, 1)
+        for _ in stream:
+            pass
+        stream = client.generate_stream(short[1:], params)  # a local prefill
+        next(stream)
+        assert d.streams == 1
+        for _ in stream:
+            pass
+    assert (p.prompts, d.streams) == (0, 0)
+    assert c.served("prefill-0") == 2  # the long ones
+    assert c.served("decode-0") == 4
+    assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 2
+    assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 2
     assert c.gateway_metric("pdserve_requests_without_disaggregation_total") == 0
-    assert c.gateway.registry.workers[prefill.worker_id].prefill_rate > 0
+    assert p.prefill_rate > 0
     # the same tokens either way: the roles run one engine
     off = cluster(prefill=1, decode=1)
     with Client(off.address, timeout=60) as client:
