@@ -14,11 +14,12 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
   counting the prompts it is prefilling itself: they are streams the next one holds back), and
   the time that holds its streams back is paid for by those prompts: ``S·h ≤
   decode_prefill_budget_s · P`` (S at least 1). The budget is how long each waiting prompt may
-  hold the decode worker's streams back. When prefill keeps up, its queue is empty and every
-  prompt goes there. When it is the bottleneck with a decode batch that stays small (long
-  prompts on one prefill core: tens waiting, a few streams), both cores prefill and the batch
-  fills; while the batch is as large as half the queue, no prompt beyond a short one holds it
-  back, and its TPOT stays protected. The factor 2 is measured, not derived: on a 2-core Zen 3
+  hold the decode worker's streams back. P and S are this gateway's requests there; both tests
+  are homogeneous in them, so gateways that share the load evenly decide as one would. When
+  prefill keeps up, its queue is empty and every prompt goes there. When it is the bottleneck
+  with a decode batch that stays small (long prompts on one prefill core: tens waiting, a few
+  streams), both cores prefill and the batch fills; while the batch is as large as half the
+  queue, no prompt beyond a short one holds it back, and its TPOT stays protected. The factor 2 is measured, not derived: on a 2-core Zen 3
   at placement time, P/S was 2-8 under W-c32 (32 users, long prompts: prefill-bound, and the
   decode core's prefills raise throughput) and 1-2 under W-mixed (mostly short prompts behind a
   few long ones: its prefills only hold streams back). (Until 2026-11-28 the rule was ``h ≤
