@@ -48,82 +48,6 @@ def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
         (33, {}, {}, placement.DISAGGREGATED),  # no rate yet: ship it
         # prefill idle: ship it
         (400, {"prefill_rate": 1000.0}, {}, placement.DISAGGREGATED),
-        # 0.6 s queued there > 0.4 s here; one prompt waiting there pays for 0.4 s of one
-        # (or no) stream held back: within its 0.5 s budget
-        (400, {"prefill_rate": 1000.0, "outstanding_tokens": 600, "prompts": 1}, {}, BUSY),
-        # here would take 0.45 s (50 already taken on) > what waits there (0.4 s)
-        (
-            400,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 400, "prompts": 1},
-            {"local_prefill_tokens": 50, "prompts": 1},
-            DISAGGREGATED,
-        ),
-        # queued long there, but 0.6 s here is over the one waiting prompt's budget
-        (
-            600,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 1},
-            {},
-            DISAGGREGATED,
-        ),
-        # ... and within ten's: 2 streams held back 0.6 s (1.2 stream-s) against 10 prompts
-        # waiting there at 0.5 s each (5 s): a prefill-bound load with a small decode batch
-        (
-            600,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 10},
-            {"streams": 2},
-            BUSY,
-        ),
-        # 4 prompts waiting, 8 streams: not starved (fewer than 2 prompts a stream), its batch is
-        # not held back (4 × 0.5 s would pay for 0.25 s of 8 streams)
-        (
-            600,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 4},
-            {"streams": 8},
-            DISAGGREGATED,
-        ),
-        # ... not even by a short prompt the waiting prompts would pay for (2 × 0.2 s ≤ 3 × 0.5
-        # s): 3 prompts for 2 streams is a decode batch as large as the prefill worker can feed
-        (
-            200,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 3},
-            {"streams": 2},
-            DISAGGREGATED,
-        ),
-        # a full batch is not held back: 12 streams, 1 prompt waiting
-        (
-            300,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 1},
-            {"streams": 12},
-            DISAGGREGATED,
-        ),
-        # a prompt it is prefilling itself counts as a stream the next one holds back: 2 × 1.8 s
-        # > 6 prompts × 0.5 s (counted as 1 stream, 1.8 s would fit); 8 prompts pay for it
-        (
-            400,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 6},
-            {"streams": 1, "prompts": 1, "local_prefill_tokens": 1400},
-            DISAGGREGATED,
-        ),
-        (
-            400,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 5000, "prompts": 8},
-            {"streams": 1, "prompts": 1, "local_prefill_tokens": 1400},
-            BUSY,
-        ),
-        # no stream at all: 5 prompts' budgets (2.5 s), this one's 2.6 s is over
-        (
-            2600,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 9000, "prompts": 5},
-            {},
-            DISAGGREGATED,
-        ),
-        # many waiting, but what waits there (2 s) is shorter than computing it here (3 s)
-        (
-            3000,
-            {"prefill_rate": 1000.0, "outstanding_tokens": 2000, "prompts": 10},
-            {},
-            DISAGGREGATED,
-        ),
         # nothing measured by this gateway yet: the worker's own report (1 ms a token) decides
         (400, {"report": _report(0.001), "outstanding_tokens": 600, "prompts": 1}, {}, BUSY),
         (
@@ -149,6 +73,43 @@ def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
 )
 def test_decisions(tokens, prefill_state, decode_state, want):
     p, d = _worker("prefill", **prefill_state), _worker("decode", **decode_state)
+    assert placement.decide(tokens, p, d, CFG) == want
+
+
+# At 1,000 prompt tokens/s measured: prompt tokens to compute here, those queued at the prefill
+# worker and the prompts waiting there (P), the decode worker's streams, own prefills (S: both)
+# and the prompt tokens it has taken on
+@pytest.mark.parametrize(
+    "tokens, queued, waiting, streams, own, own_tokens, want",
+    [
+        # 0.6 s queued there > 0.4 s here; one prompt waiting pays for 0.4 s of no stream
+        (400, 600, 1, 0, 0, 0, BUSY),
+        # here would take 0.45 s (50 already taken on) > what waits there (0.4 s)
+        (400, 400, 1, 0, 1, 50, DISAGGREGATED),
+        # queued long there, but 0.6 s here is over the one waiting prompt's 0.5 s
+        (600, 5000, 1, 0, 0, 0, DISAGGREGATED),
+        # ... and within ten's: 2 streams held back 0.6 s (1.2 stream-s) against 10 prompts at
+        # 0.5 s each (5 s): a prefill-bound load with a small decode batch
+        (600, 5000, 10, 2, 0, 0, BUSY),
+        # 4 waiting, 8 streams: not starved (fewer than 2 prompts a stream), batch not held back
+        (600, 5000, 4, 8, 0, 0, DISAGGREGATED),
+        # ... not even by a short prompt the waiting would pay for (2 × 0.2 s ≤ 3 × 0.5 s): 3
+        # prompts for 2 streams is a decode batch as large as the prefill worker can feed
+        (200, 5000, 3, 2, 0, 0, DISAGGREGATED),
+        (300, 5000, 1, 12, 0, 0, DISAGGREGATED),  # a full batch, 1 prompt waiting
+        # a prompt it is prefilling itself counts as a stream the next one holds back: 2 × 1.8 s
+        # > 6 prompts × 0.5 s (counted as 1 stream, 1.8 s would fit); 8 prompts pay for it
+        (400, 5000, 6, 1, 1, 1400, DISAGGREGATED),
+        (400, 5000, 8, 1, 1, 1400, BUSY),
+        # no stream at all: 5 prompts' budgets (2.5 s), this one's 2.6 s is over
+        (2600, 9000, 5, 0, 0, 0, DISAGGREGATED),
+        # many waiting, but what waits there (2 s) is shorter than computing it here (3 s)
+        (3000, 2000, 10, 0, 0, 0, DISAGGREGATED),
+    ],
+)
+def test_starved_decisions(tokens, queued, waiting, streams, own, own_tokens, want):
+    p = _worker("prefill", prefill_rate=1000.0, outstanding_tokens=queued, prompts=waiting)
+    d = _worker("decode", streams=streams, prompts=own, local_prefill_tokens=own_tokens)
     assert placement.decide(tokens, p, d, CFG) == want
 
 
