@@ -19,10 +19,11 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
   prefill keeps up, its queue is empty and every prompt goes there. When it is the bottleneck
   with a decode batch that stays small (long prompts on one prefill core: tens waiting, a few
   streams), both cores prefill and the batch fills; while the batch is as large as half the
-  queue, no prompt beyond a short one holds it back, and its TPOT stays protected. The factor 2 is measured, not derived: on a 2-core Zen 3
-  at placement time, P/S was 2-8 under W-c32 (32 users, long prompts: prefill-bound, and the
-  decode core's prefills raise throughput) and 1-2 under W-mixed (mostly short prompts behind a
-  few long ones: its prefills only hold streams back). (Until 2026-11-28 the rule was ``h ≤
+  queue, no prompt beyond a short one holds it back, and its TPOT stays protected. The factor 2
+  is measured, not derived: on a 2-core Zen 3 at placement time, P/S was 2-8 under W-c32 (32
+  users, long prompts: prefill-bound, and the decode core's prefills raise throughput) and 1-2
+  under W-mixed (mostly short prompts behind a few long ones: its prefills only hold streams
+  back). (Until 2026-11-28 the rule was ``h ≤
   budget`` whatever S and P: a budget small enough for W-mixed's TPOT left W-c32's decode
   worker running batches of ~3, one large enough for W-c32 held W-mixed's batches back;
   docs/benchmarks.md, "One placement rule for both loads".)
