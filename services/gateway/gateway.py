@@ -359,10 +359,7 @@ class Gateway:
         here = costs.tokens_to_compute(decode, job, costs.now(), self.router.stale_s)
         reason = placement.decide(here, prefill, decode, self.config)
         self.metrics.placement.labels(reason).inc()
-        why = {
-            "prefill_prompts": prefill.prompts,
-            "decode_streams": decode.streams + decode.prompts,
-        }
+        why = placement.weighed(prefill, decode)
         if reason != placement.DISAGGREGATED:
             req.routed("local:decode", decode.address, "", attempt, reason, why)
             return self._local(decode, rid, job, params, timeout, md)

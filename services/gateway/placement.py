@@ -76,6 +76,13 @@ def decode_idle(decode: Worker, cost: int) -> bool:
     return decode.outstanding_tokens == cost and not decode.local_prefill_tokens
 
 
+def weighed(prefill: Worker, decode: Worker) -> dict:
+    """P and S of ``decide`` (router.pick's attributes): this gateway's prompts at the prefill
+    worker; its streams at the decode worker, with the prompts it is prefilling itself (streams
+    the next one holds back)."""
+    return {"prefill_prompts": prefill.prompts, "decode_streams": decode.streams + decode.prompts}
+
+
 def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
     """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED. ``num_tokens``:
     the prompt tokens ``decode`` would compute."""
@@ -93,8 +100,8 @@ def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig)
     here = (decode.local_prefill_tokens + num_tokens) / rate
     if wait_there <= here:
         return DISAGGREGATED
-    # the prompts it is prefilling itself are streams the next one holds back
-    streams, waiting = decode.streams + decode.prompts, prefill.prompts
+    w = weighed(prefill, decode)
+    waiting, streams = w["prefill_prompts"], w["decode_streams"]
     if (
         waiting >= STARVED * streams
         and here * max(streams, 1) <= cfg.decode_prefill_budget_s * waiting
