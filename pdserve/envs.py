@@ -45,6 +45,12 @@ def quant_isa() -> str:
     return os.environ.get("PDSERVE_QUANT_ISA") or "native"
 
 
+def quant_integer() -> bool:
+    """Whether Q4_1 weights take quant.c's integer path where the build has it
+    (PDSERVE_QUANT_INTEGER, default 1; 0 keeps the float path, e.g. to compare the two)."""
+    return os.environ.get("PDSERVE_QUANT_INTEGER", "1") != "0"
+
+
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

@@ -196,7 +196,8 @@ def prepack_linear(weight: torch.Tensor | quant.QuantizedWeight) -> None:
     """Pack a projection's weight now (the model loader calls this), not at its first use; a
     Q4_1 or Q8_0 weight of a bf16 model (which ``hybrid_weight`` takes) too."""
     if isinstance(weight, quant.QuantizedWeight):
-        hybrid_weight(weight)
+        if hybrid_weight(weight) is None:
+            quant.integer_copy(weight)  # fp32 x: the integer path's copy, where it has one
         return
     packing = _packing()
     if (

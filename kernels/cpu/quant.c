@@ -225,6 +225,7 @@ ALWAYS void dequant_block(int qt, const uint8_t *b, float rs, V *w) {
 }
 
 #include "quant_direct.h"
+#include "quant_vnni.h"
 
 /* out[c * RT + r] = x[c] . w[r] for c < nc, r < nr: fp32 rows w (stride K) from scratch. */
 ALWAYS void tile_dot(const float *w, const float *x, int64_t K, int nc, int nr, float *out) {
@@ -426,11 +427,13 @@ int pdserve_qdequant(const uint8_t *w, int32_t qt, const float *scale, const int
     return 0;
 }
 
-/* A quantized weight as the layer loop hands it over, in place of a packed bf16 weight. */
+/* A quantized weight as the layer loop hands it over, in place of a packed bf16 weight; v: its
+ * copy in quant_vnni.h's layout, or NULL. */
 typedef struct {
     const uint8_t *w;
     const float *scale;
     int32_t qt;
+    const uint8_t *v;
 } QDesc;
 
 /* layer_loop.c's linear_fn on a QDesc: bf16 x, bias and y. */
@@ -442,5 +445,7 @@ void pdserve_qlinear_desc(const void *x, const QDesc *d, const void *bias, void 
 /* The same with fp32 x, bias and y (the fp32 layer loop's linear_fn). */
 void pdserve_qlinear_desc_f32(const void *x, const QDesc *d, const void *bias, void *y, int64_t M,
                               int64_t N, int64_t K, int32_t num_threads) {
+    if (d->v && M <= QV_MAX_ROWS && !pdserve_qlinear_v(x, d->v, bias, y, M, N, K, num_threads))
+        return;
     pdserve_qlinear(x, d->w, d->qt, d->scale, bias, y, M, N, K, 0, num_threads);
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ ISA_FLAGS = {
 ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
 # Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
 QLINEAR_MAX_ROWS = 64
+QV_MAX_ROWS = 8  # most rows of x for the integer path (quant_vnni.h)
 TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
 WHOLE_BYTES = 16 << 20  # prefill dequantizes a weight whole up to this many fp32 bytes
 Q4_1, Q8_0 = QTYPES["q4_1"], QTYPES["q8_0"]
@@ -40,9 +42,10 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 class QDesc(ctypes.Structure):
-    """quant.c's QDesc: a quantized weight as the layer loop passes it."""
+    """quant.c's QDesc: a quantized weight as the layer loop passes it (v: its integer-path
+    copy, ``integer_copy``, or NULL)."""
 
-    _fields_ = [("w", _P), ("scale", _P), ("qt", _I32)]
+    _fields_ = [("w", _P), ("scale", _P), ("qt", _I32), ("v", _P)]
 
 
 @functools.cache
@@ -65,6 +68,13 @@ def load(source: Path, isa: str) -> ctypes.CDLL:
     for fn in (lib.pdserve_qlinear_desc, lib.pdserve_qlinear_desc_f32):
         fn.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
         fn.restype = None
+    lib.pdserve_qv_available.restype = ctypes.c_int
+    lib.pdserve_qv_bytes.argtypes = [_I64, _I64]
+    lib.pdserve_qv_bytes.restype = _I64
+    lib.pdserve_qv_pack.argtypes = [_P, _I64, _I64, _P, _I32]
+    lib.pdserve_qv_pack.restype = ctypes.c_int
+    lib.pdserve_qlinear_v.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
+    lib.pdserve_qlinear_v.restype = ctypes.c_int
     return lib
 
 
@@ -163,6 +173,18 @@ def linear(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty(m, n, dtype=x.dtype)
+    v = integer_copy(w, lib) if x.dtype == torch.float32 and m <= QV_MAX_ROWS else None
+    if v is not None and not lib.pdserve_qlinear_v(
+        x2.data_ptr(),
+        v.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    ):
+        return y.reshape(*x.shape[:-1], n)
     rc = lib.pdserve_qlinear(
         x2.data_ptr(),
         w.data.data_ptr(),
@@ -185,4 +207,35 @@ def linear(
 
 def descriptor(w: QuantizedWeight) -> QDesc:
     """What the layer loop passes for ``w`` in place of a packed weight (keep ``w`` alive)."""
-    return QDesc(w.data.data_ptr(), _scale_ptr(w), w.qtype)
+    v = integer_copy(w)
+    return QDesc(w.data.data_ptr(), _scale_ptr(w), w.qtype, None if v is None else v.data_ptr())
+
+
+# id(weight) -> (a weak reference to it, its copy in quant_vnni.h's layout)
+_integer: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+@functools.cache
+def _has_integer_path(lib: ctypes.CDLL) -> bool:
+    return envs.quant_integer() and bool(lib.pdserve_qv_available())
+
+
+def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """``w``'s Q4_1 blocks repacked for the integer path (``quant_vnni.h``: fp32 x, up to
+    QV_MAX_ROWS rows, AVX-512 VNNI), made on first use and dropped with ``w``; None where the
+    build has no such path (``PDSERVE_QUANT_ISA``, the CPU) or ``w`` is not Q4_1 with N % 16 ==
+    0. The blocks stay too: more rows (prefill) dequantize them."""
+    lib = lib or library()
+    if w.qtype != Q4_1 or not _has_integer_path(lib):
+        return None
+    entry = _integer.get(id(w))
+    if entry is not None and entry[0]() is w:
+        return entry[1]
+    n, k = w.shape
+    if lib.pdserve_qv_bytes(n, k) < 0:
+        return None
+    v = torch.empty(lib.pdserve_qv_bytes(n, k), dtype=torch.uint8)
+    lib.pdserve_qv_pack(w.data.data_ptr(), n, k, v.data_ptr(), torch.get_num_threads())
+    key = id(w)
+    _integer[key] = (weakref.ref(w, lambda _, key=key: _integer.pop(key, None)), v)
+    return v

@@ -1,0 +1,200 @@
+/*
+ * quant.c's integer path: Q4_1 weights times fp32 x with AVX-512 VNNI (few rows of x, decode).
+ * Included by quant.c after its vector macros; not a header of its own to use elsewhere.
+ *
+ * Why: with one row of x the float path (quant_direct.h) is bound by its instructions, not by
+ * memory: per 32 weights a widening, two table lookups, a shift and three FMAs on the two
+ * 512-bit ports, ~6 cycles a block from cache on an Intel Xeon (family 6 model 207) against
+ * the ~2.5 that memory allows. Here every product of a 4-bit quant with x is an integer one:
+ * vpdpbusd multiplies 64 unsigned bytes (the quants) with 64 signed bytes and adds them by 4
+ * into 16 int32 lanes, one instruction for what costs the float path ~16.
+ *
+ * x is not rounded to 8 bits for it: each block of 32 values of a row of x is written exactly
+ * as an integer X = x / s (s a power of two chosen so that |X| < 2^22: 22 bits and a sign below
+ * the block's largest value, where fp32 holds 24) in three signed bytes, X = 65536 a + 256 b + c
+ * (a, b, c in [-128, 127]); the sums of q a, q b, q c over a block are exact in int32 and so is
+ * their combination S = 65536 A + 256 B + C (|S| < 32 * 15 * 2^22 < 2^31). A block contributes
+ * d * s * S + m * (sum of x), the form quant_direct.h uses; what differs from the float path is
+ * where the rounding happens (S is exact, then converted once), and the representation of each x
+ * value to within 2^-23 of its block's largest, below fp32's rounding of the block's sum.
+ *
+ * Layout (pdserve_qv_pack; N % 16 == 0): groups of 16 output rows g, then blocks of 32 k, 320
+ * bytes each:
+ *
+ *   [0, 32)    d of rows 16 g .. 16 g + 15 (fp16)
+ *   [32, 64)   m of the same (fp16)
+ *   [64, 320)  4 runs of 64 bytes; run c, dword r (row 16 g + r), byte j: low nibble the quant
+ *              at k = 8 c + j, high nibble the one at k = 8 c + 4 + j
+ *
+ * so a 64-byte run and 0x0f (or shifted right by 4, then and 0x0f) is, in each int32 lane, one
+ * row's four quants of four consecutive k: vpdpbusd's unsigned operand, with x's four bytes at
+ * those k broadcast as the signed one. The rows of a group are the 16 lanes of the result, so
+ * no horizontal sum is needed. The same bytes per weight as GGUF's Q4_1 (20 per 32).
+ */
+#if QISA == 512 && defined(__AVX512VNNI__)
+#define QV 1
+#else
+#define QV 0
+#endif
+#define QVG 16          /* output rows per group */
+#define QVGB 320        /* bytes per group and block of 32 k */
+#define QV_MR 4         /* rows of x per pass over the weights */
+#define QV_MAX_ROWS 8   /* most rows of x the integer path takes */
+#define QV_AHEAD 8      /* blocks prefetched ahead */
+
+int pdserve_qv_available(void) { return QV; }
+
+/* Bytes of the layout above for an [N, K] Q4_1 weight; -1 where it cannot hold one. */
+int64_t pdserve_qv_bytes(int64_t N, int64_t K) {
+    return N <= 0 || N % QVG || K <= 0 || K % QK ? -1 : N / QVG * (K / QK) * QVGB;
+}
+
+/* GGUF Q4_1 blocks [N, K / 32] (20 bytes: d, m, 16 bytes, value j low nibble, j + 16 high)
+ * into the layout above. Returns -2 if N or K does not fit it. */
+int pdserve_qv_pack(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
+                    int32_t num_threads) {
+    if (pdserve_qv_bytes(N, K) < 0) return -2;
+    const int64_t kb = K / QK;
+    if ((double)N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *src = blocks + (n * kb + b) * 20;
+            uint8_t *dst = out + ((n / QVG) * kb + b) * QVGB;
+            const int r = (int)(n % QVG);
+            uint8_t q[QK];
+            for (int j = 0; j < 16; j++) {
+                q[j] = src[4 + j] & 15;
+                q[j + 16] = src[4 + j] >> 4;
+            }
+            memcpy(dst + 2 * r, src, 2);
+            memcpy(dst + 32 + 2 * r, src + 2, 2);
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < 4; j++)
+                    dst[64 + 64 * c + 4 * r + j] =
+                        (uint8_t)(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
+        }
+    return 0;
+}
+
+#if QV
+/* One block of 32 values of a row of x as three signed bytes each (l[0] the high ones; l[i][q]
+ * holds k = 4 q .. 4 q + 3), its power-of-two scale s and its fp32 sum. */
+typedef struct {
+    int32_t l[3][8];
+    float s, sum;
+    int32_t pad[6];
+} XQ;
+
+/* The XQ of each block of x's row (K values). */
+static void qv_prepare(const float *x, int64_t K, XQ *out) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < K / QK; b++, x += QK) {
+        const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        XQ *o = out + b;
+        o->sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        const float mx = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(x0, sign), _mm512_and_ps(x1, sign)));
+        uint32_t bits;
+        memcpy(&bits, &mx, 4);
+        const int e = (int)(bits >> 23); /* |x| < 2^(e - 126): s = 2^(e - 148), |X| < 2^22 */
+        if (e < 22 || e == 255) {        /* below ~2^-105 (nothing to add) or not finite */
+            memset(o->l, 0, sizeof o->l);
+            o->s = e == 255 ? mx : 0.0f; /* inf or NaN goes on as such */
+            continue;
+        }
+        const uint32_t sb = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23;
+        float inv;
+        memcpy(&o->s, &sb, 4);
+        memcpy(&inv, &ib, 4);
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (int h = 0; h < 2; h++) {
+            const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, iv)); /* exact * */
+            const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+            const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(X, c), 8);
+            const __m512i bb = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
+            const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(t, bb), 8);
+            _mm_storeu_si128((__m128i *)o->l[0] + h, _mm512_cvtepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)o->l[1] + h, _mm512_cvtepi32_epi8(bb));
+            _mm_storeu_si128((__m128i *)o->l[2] + h, _mm512_cvtepi32_epi8(c));
+        }
+    }
+}
+
+/* out[c][r] = x row c . dequant(row 16 g + r) for c < mr, r < 16: the group's kb blocks from p,
+ * x's XQ rows kb apart. */
+ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
+    const __m512i lo = _mm512_set1_epi8(15);
+    __m512 acc[QV_MR], macc[QV_MR];
+    for (int c = 0; c < mr; c++) acc[c] = macc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++, p += QVGB) {
+        for (int i = 0; i < QVGB; i += 64)
+            _mm_prefetch((const char *)p + QV_AHEAD * QVGB + i, _MM_HINT_T0);
+        __m512i u[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(p + 64 + 64 * c);
+            u[2 * c] = _mm512_and_si512(v, lo);
+            u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        for (int c = 0; c < mr; c++) {
+            const XQ *x = xq + c * kb + b;
+            __m512i s[3][2]; /* per limb, two chains of four */
+            for (int l = 0; l < 3; l++) s[l][0] = s[l][1] = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q++)
+                for (int l = 0; l < 3; l++)
+                    s[l][q & 1] =
+                        _mm512_dpbusd_epi32(s[l][q & 1], u[q], _mm512_set1_epi32(x->l[l][q]));
+            __m512i t = _mm512_add_epi32(s[0][0], s[0][1]);
+            t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[1][0], s[1][1]));
+            t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[2][0], s[2][1]));
+            acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x->s)),
+                                     d, acc[c]);
+            macc[c] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum), macc[c]);
+        }
+    }
+    for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(acc[c], macc[c]));
+}
+#endif
+
+/*
+ * y[M, N] = x[M, K] @ dequant(w)^T (+ bias), fp32, for the weight in the layout above (v) and
+ * M <= QV_MAX_ROWS. Returns 0; -1 if scratch memory could not be had; -2 where this build has no
+ * integer path or the shapes do not fit it.
+ */
+int pdserve_qlinear_v(const float *x, const uint8_t *v, const float *bias, float *y, int64_t M,
+                      int64_t N, int64_t K, int32_t num_threads) {
+#if QV
+    if (pdserve_qv_bytes(N, K) < 0 || M > QV_MAX_ROWS) return -2;
+    if (M <= 0) return 0;
+    const int64_t kb = K / QK, groups = N / QVG;
+    XQ *xq = aligned_alloc(64, (size_t)(M * kb) * sizeof(XQ));
+    if (!xq) return -1;
+    for (int64_t c = 0; c < M; c++) qv_prepare(x + c * K, K, xq + c * kb);
+    if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = v + g * kb * QVGB;
+        for (int64_t c0 = 0; c0 < M; c0 += QV_MR) {
+            float out[QV_MR * QVG];
+            const int mr = M - c0 < QV_MR ? (int)(M - c0) : QV_MR;
+            switch (mr) {
+            case 4: qv_group(p, kb, xq + c0 * kb, 4, out); break;
+            case 3: qv_group(p, kb, xq + c0 * kb, 3, out); break;
+            case 2: qv_group(p, kb, xq + c0 * kb, 2, out); break;
+            default: qv_group(p, kb, xq + c0 * kb, 1, out); break;
+            }
+            for (int c = 0; c < mr; c++)
+                for (int r = 0; r < QVG; r++)
+                    y[(c0 + c) * N + g * QVG + r] =
+                        out[c * QVG + r] + (bias ? bias[g * QVG + r] : 0.0f);
+        }
+    }
+    free(xq);
+    return 0;
+#else
+    (void)x, (void)v, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -2;
+#endif
+}

@@ -1,0 +1,166 @@
+"""quant.c's integer path (``quant_vnni.h``: Q4_1 weights, fp32 x, AVX-512 VNNI): its layout
+against GGUF's blocks, its outputs against float64 sums of the dequantized weights, and where it
+is and is not taken. Skips where the CPU's build has no integer path (AVX2, no VNNI); the float
+path it stands in for is tested everywhere (test_quant.py).
+
+Its error bound: an fp32 sum's rounding (as test_quant.py holds the float path to) plus the
+representation of x, each value within 2^-22 of its block's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from pdserve.kernels import quantized as Q
+from pdserve.kernels.cpu import quant
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def _available() -> bool:
+    try:
+        return bool(quant.library().pdserve_qv_available())
+    except quant.BuildError:
+        return False
+
+
+needs_vnni = pytest.mark.skipif(
+    shutil.which("cc") is None or not _available(),
+    reason="no integer path in this CPU's build of quant.c (needs AVX-512 VNNI)",
+)
+
+
+def make_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[:, ::37] *= 6
+    return w
+
+
+def unpack(v: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The weight in quant_vnni.h's layout, dequantized in plain torch (q d + m, fp32)."""
+    g = v.view(n // 16, k // 32, 320)
+    d = g[..., :32].contiguous().view(torch.float16).float()  # [groups, blocks, 16]
+    m = g[..., 32:64].contiguous().view(torch.float16).float()
+    runs = g[..., 64:].reshape(n // 16, k // 32, 4, 16, 4).long()  # run c, row r, byte j
+    q = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.long)
+    for c in range(4):
+        for j in range(4):
+            q[:, :, :, 8 * c + j] = runs[:, :, c, :, j] & 15
+            q[:, :, :, 8 * c + 4 + j] = runs[:, :, c, :, j] >> 4
+    w = q.float() * d[..., None] + m[..., None]  # [groups, blocks, rows, 32]
+    return w.permute(0, 2, 1, 3).reshape(n, k)
+
+
+@needs_vnni
+def test_layout_holds_the_blocks_exactly():
+    n, k = 48, 96
+    qw = Q.quantize(make_weight(n, k, 1), "q4_1")
+    v = quant.integer_copy(qw)
+    assert v is not None and v.numel() == n // 16 * (k // 32) * 320 == 20 * n * k // 32
+    assert torch.equal(unpack(v, n, k), Q.dequantize_reference(qw))
+
+
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, k: int) -> None:
+    """fp32 rounding of a k-term sum (test_quant.py's bound) plus x's representation: each x
+    value within 2^-22 of the largest |x| of its block of 32."""
+    eps = torch.finfo(torch.float32).eps
+    xd = x.double()
+    ref = xd @ w64.T
+    fp32 = 4 * math.sqrt(k) * eps * (xd.abs() @ w64.abs().T)
+    block_max = xd.abs().view(x.shape[0], k // 32, 32).amax(-1)  # [m, blocks]
+    wabs = w64.abs().view(w64.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    tol = fp32 + 2.0**-22 * (block_max @ wabs.T) + 1e-30
+    err = (y.double() - ref).abs()
+    assert not bool((err > tol).any()), f"{int((err > tol).sum())} outputs off, worst {err.max()}"
+
+
+@needs_vnni
+@pytest.mark.parametrize("threads", [1, 2])
+def test_outputs_within_fp32_rounding_and_x_representation(threads):
+    """Every row count it takes (1-8: passes of 4 and partial ones), K of 1 to 65 blocks, 16 to
+    320 rows, with and without bias; blocks of x of very different magnitudes, an all-zero
+    block and a block with one large value among tiny ones."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(3)
+    try:
+        for n, k in [(16, 32), (64, 576), (320, 1536), (32, 2080)]:
+            qw = Q.quantize(make_weight(n, k, n + k), "q4_1")
+            w64 = Q.dequantize_reference(qw).double()
+            bias = torch.randn(n, generator=g)
+            for m in range(1, quant.QV_MAX_ROWS + 1):
+                scale = 10.0 ** torch.randint(-6, 6, (m, k // 32, 1), generator=g).double()
+                x = (torch.randn(m, k // 32, 32, generator=g) * scale).float().reshape(m, k)
+                x[0, :32] = 0.0
+                if k >= 64:
+                    x[-1, 32:64] = 1e-7
+                    x[-1, 40] = 3e4
+                y = quant.linear(x, qw)
+                assert y.shape == (m, n)
+                assert_within_bound(y, x, w64, k)
+                yb = quant.linear(x, qw, bias)
+                assert torch.equal(yb, y + bias)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_vnni
+def test_taken_only_where_it_applies(monkeypatch):
+    """Q4_1 with N % 16 == 0 and at most QV_MAX_ROWS rows of fp32 x; other formats, shapes, row
+    counts and bf16 x keep the float path (same outputs as its entry point gives)."""
+    lib = quant.library()
+    k = 96
+    q41 = Q.quantize(make_weight(32, k, 5), "q4_1")
+    assert quant.integer_copy(q41) is not None
+    assert quant.integer_copy(q41) is quant.integer_copy(q41)  # made once
+    for other in (
+        Q.quantize(make_weight(30, k, 6), "q4_1"),
+        Q.quantize(make_weight(32, k, 7), "q8_0"),
+    ):
+        assert quant.integer_copy(other) is None  # N % 16, the format
+    assert quant.integer_copy(q41, lib=quant.library("avx2")) is None
+
+    def direct(x, w, integer):
+        m, n = x.shape[0], w.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)
+        if integer:
+            v = quant.integer_copy(w)
+            rc = lib.pdserve_qlinear_v(x.data_ptr(), v.data_ptr(), None, y.data_ptr(), m, n, k, 1)
+        else:
+            bf16 = int(x.dtype == torch.bfloat16)
+            rc = lib.pdserve_qlinear(
+                x.data_ptr(), w.data.data_ptr(), w.qtype, None, None, y.data_ptr(), m, n, k, bf16, 1
+            )
+        assert rc == 0
+        return y
+
+    g = torch.Generator().manual_seed(8)
+    x1 = torch.randn(1, k, generator=g)
+    assert torch.equal(quant.linear(x1, q41), direct(x1, q41, integer=True))
+    assert not torch.equal(direct(x1, q41, integer=True), direct(x1, q41, integer=False))
+    x9 = torch.randn(quant.QV_MAX_ROWS + 1, k, generator=g)
+    assert torch.equal(quant.linear(x9, q41), direct(x9, q41, integer=False))
+    xb = torch.randn(2, k, generator=g).bfloat16()
+    assert torch.equal(quant.linear(xb, q41), direct(xb, q41, integer=False))
+
+
+@needs_vnni
+def test_layer_loop_descriptor_carries_the_copy():
+    qw = Q.quantize(make_weight(32, 64, 9), "q4_1")
+    desc = quant.descriptor(qw)
+    assert desc.v == quant.integer_copy(qw).data_ptr()
+    assert quant.descriptor(Q.quantize(make_weight(32, 64, 9), "q8_0")).v is None
+
+
+@needs_cc
+def test_builds_without_it_refuse_it():
+    for isa in ("portable", "avx2"):
+        lib = quant.library(isa)
+        assert lib.pdserve_qv_available() == 0
+        x, y = torch.randn(1, 32), torch.empty(1, 16)
+        assert lib.pdserve_qlinear_v(x.data_ptr(), None, None, y.data_ptr(), 1, 16, 32, 1) == -2
+    assert quant.library("portable").pdserve_qv_bytes(15, 32) == -1
