@@ -225,7 +225,7 @@ ALWAYS void dequant_block(int qt, const uint8_t *b, float rs, V *w) {
 }
 
 #include "quant_direct.h"
-#include "quant_vnni.h"
+#include "quant_int.h"
 
 /* out[c * RT + r] = x[c] . w[r] for c < nc, r < nr: fp32 rows w (stride K) from scratch. */
 ALWAYS void tile_dot(const float *w, const float *x, int64_t K, int nc, int nr, float *out) {
@@ -428,7 +428,7 @@ int pdserve_qdequant(const uint8_t *w, int32_t qt, const float *scale, const int
 }
 
 /* A quantized weight as the layer loop hands it over, in place of a packed bf16 weight; v: its
- * copy in quant_vnni.h's layout, or NULL. */
+ * copy in quant_int.h's layout, or NULL. */
 typedef struct {
     const uint8_t *w;
     const float *scale;

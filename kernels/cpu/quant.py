@@ -34,7 +34,7 @@ ISA_FLAGS = {
 ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
 # Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
 QLINEAR_MAX_ROWS = 64
-QV_MAX_ROWS = 8  # most rows of x for the integer path (quant_vnni.h)
+QV_MAX_ROWS = 8  # most rows of x for the integer path (quant_int.h)
 TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
 WHOLE_BYTES = 16 << 20  # prefill dequantizes a weight whole up to this many fp32 bytes
 Q4_1, Q8_0 = QTYPES["q4_1"], QTYPES["q8_0"]
@@ -211,7 +211,7 @@ def descriptor(w: QuantizedWeight) -> QDesc:
     return QDesc(w.data.data_ptr(), _scale_ptr(w), w.qtype, None if v is None else v.data_ptr())
 
 
-# id(weight) -> (a weak reference to it, its copy in quant_vnni.h's layout)
+# id(weight) -> (a weak reference to it, its copy in quant_int.h's layout)
 _integer: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
@@ -221,7 +221,7 @@ def _has_integer_path(lib: ctypes.CDLL) -> bool:
 
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """``w``'s Q4_1 blocks repacked for the integer path (``quant_vnni.h``: fp32 x, up to
+    """``w``'s Q4_1 blocks repacked for the integer path (``quant_int.h``: fp32 x, up to
     QV_MAX_ROWS rows, AVX-512 VNNI), made on first use and dropped with ``w``; None where the
     build has no such path (``PDSERVE_QUANT_ISA``, the CPU) or ``w`` is not Q4_1 with N % 16 ==
     0. The blocks stay too: more rows (prefill) dequantize them."""

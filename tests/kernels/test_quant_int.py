@@ -1,7 +1,7 @@
-"""quant.c's integer path (``quant_vnni.h``: Q4_1 weights, fp32 x, AVX-512 VNNI): its layout
-against GGUF's blocks, its outputs against float64 sums of the dequantized weights, and where it
-is and is not taken. Skips where the CPU's build has no integer path (AVX2, no VNNI); the float
-path it stands in for is tested everywhere (test_quant.py).
+"""quant.c's integer path (``quant_int.h``: Q4_1 weights, fp32 x; AVX-512 VNNI or AVX2): its
+layout against GGUF's blocks, its outputs against float64 sums of the dequantized weights, and
+where it is and is not taken. Both builds that have it run wherever the CPU can (the AVX2 one,
+-mno-avx512f, on AVX-512 machines too); the portable build has none.
 
 Its error bound: an fp32 sum's rounding (as test_quant.py holds the float path to) plus the
 representation of x, each value within 2^-22 of its block's largest magnitude.
@@ -20,17 +20,25 @@ from pdserve.kernels.cpu import quant
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-def _available() -> bool:
+def _width(isa: str) -> int:
+    """The integer path's vector width in ``isa``'s build of quant.c (0: none, or no build)."""
     try:
-        return bool(quant.library().pdserve_qv_available())
+        return quant.library(isa).pdserve_qv_available()
     except quant.BuildError:
-        return False
+        return 0
 
 
-needs_vnni = pytest.mark.skipif(
-    shutil.which("cc") is None or not _available(),
-    reason="no integer path in this CPU's build of quant.c (needs AVX-512 VNNI)",
+HAS_AVX2 = shutil.which("cc") is not None and _width("avx2") == 256
+needs_int = pytest.mark.skipif(
+    shutil.which("cc") is None or not _width("native"),
+    reason="no integer path in this CPU's build of quant.c (needs AVX2 or AVX-512)",
 )
+BUILDS = [
+    pytest.param("native", id="native", marks=needs_int),
+    pytest.param(
+        "avx2", id="avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="CPU without AVX2")
+    ),
+]
 
 
 def make_weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -41,7 +49,7 @@ def make_weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def unpack(v: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The weight in quant_vnni.h's layout, dequantized in plain torch (q d + m, fp32)."""
+    """The weight in quant_int.h's layout, dequantized in plain torch (q d + m, fp32)."""
     g = v.view(n // 16, k // 32, 320)
     d = g[..., :32].contiguous().view(torch.float16).float()  # [groups, blocks, 16]
     m = g[..., 32:64].contiguous().view(torch.float16).float()
@@ -55,7 +63,7 @@ def unpack(v: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return w.permute(0, 2, 1, 3).reshape(n, k)
 
 
-@needs_vnni
+@needs_int
 def test_layout_holds_the_blocks_exactly():
     n, k = 48, 96
     qw = Q.quantize(make_weight(n, k, 1), "q4_1")
@@ -78,12 +86,14 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, k: 
     assert not bool((err > tol).any()), f"{int((err > tol).sum())} outputs off, worst {err.max()}"
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_outputs_within_fp32_rounding_and_x_representation(threads):
+def test_outputs_within_fp32_rounding_and_x_representation(isa, threads):
     """Every row count it takes (1-8: passes of 4 and partial ones), K of 1 to 65 blocks, 16 to
     320 rows, with and without bias; blocks of x of very different magnitudes, an all-zero
     block and a block with one large value among tiny ones."""
+    lib = quant.library(isa)
+    assert lib.pdserve_qv_available() in (256, 512)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(3)
@@ -99,16 +109,16 @@ def test_outputs_within_fp32_rounding_and_x_representation(threads):
                 if k >= 64:
                     x[-1, 32:64] = 1e-7
                     x[-1, 40] = 3e4
-                y = quant.linear(x, qw)
+                y = quant.linear(x, qw, lib=lib)
                 assert y.shape == (m, n)
                 assert_within_bound(y, x, w64, k)
-                yb = quant.linear(x, qw, bias)
+                yb = quant.linear(x, qw, bias, lib=lib)
                 assert torch.equal(yb, y + bias)
     finally:
         torch.set_num_threads(saved)
 
 
-@needs_vnni
+@needs_int
 def test_taken_only_where_it_applies(monkeypatch):
     """Q4_1 with N % 16 == 0 and at most QV_MAX_ROWS rows of fp32 x; other formats, shapes, row
     counts and bf16 x keep the float path (same outputs as its entry point gives)."""
@@ -122,7 +132,7 @@ def test_taken_only_where_it_applies(monkeypatch):
         Q.quantize(make_weight(32, k, 7), "q8_0"),
     ):
         assert quant.integer_copy(other) is None  # N % 16, the format
-    assert quant.integer_copy(q41, lib=quant.library("avx2")) is None
+    assert quant.integer_copy(q41, lib=quant.library("portable")) is None
 
     def direct(x, w, integer):
         m, n = x.shape[0], w.shape[0]
@@ -148,7 +158,7 @@ def test_taken_only_where_it_applies(monkeypatch):
     assert torch.equal(quant.linear(xb, q41), direct(xb, q41, integer=False))
 
 
-@needs_vnni
+@needs_int
 def test_layer_loop_descriptor_carries_the_copy():
     qw = Q.quantize(make_weight(32, 64, 9), "q4_1")
     desc = quant.descriptor(qw)
@@ -157,10 +167,19 @@ def test_layer_loop_descriptor_carries_the_copy():
 
 
 @needs_cc
-def test_builds_without_it_refuse_it():
-    for isa in ("portable", "avx2"):
-        lib = quant.library(isa)
-        assert lib.pdserve_qv_available() == 0
-        x, y = torch.randn(1, 32), torch.empty(1, 16)
-        assert lib.pdserve_qlinear_v(x.data_ptr(), None, None, y.data_ptr(), 1, 16, 32, 1) == -2
-    assert quant.library("portable").pdserve_qv_bytes(15, 32) == -1
+def test_the_portable_build_refuses_it():
+    lib = quant.library("portable")
+    assert lib.pdserve_qv_available() == 0
+    x, y = torch.randn(1, 32), torch.empty(1, 16)
+    assert lib.pdserve_qlinear_v(x.data_ptr(), None, None, y.data_ptr(), 1, 16, 32, 1) == -2
+    assert lib.pdserve_qv_bytes(15, 32) == -1 and lib.pdserve_qv_bytes(16, 32) == 320
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_non_finite_x_gives_nan_not_garbage(isa):
+    lib = quant.library(isa)
+    qw = Q.quantize(make_weight(16, 64, 10), "q4_1")
+    x = torch.randn(2, 64)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    y = quant.linear(x, qw, lib=lib)
+    assert bool(y.isnan().all())

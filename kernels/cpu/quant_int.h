@@ -1,13 +1,17 @@
 /*
- * quant.c's integer path: Q4_1 weights times fp32 x with AVX-512 VNNI (few rows of x, decode).
- * Included by quant.c after its vector macros; not a header of its own to use elsewhere.
+ * quant.c's integer path: Q4_1 weights times fp32 x in integer arithmetic (few rows of x,
+ * decode), with AVX-512 VNNI or AVX2. Included by quant.c after its vector macros; not a header
+ * of its own to use elsewhere.
  *
  * Why: with one row of x the float path (quant_direct.h) is bound by its instructions, not by
  * memory: per 32 weights a widening, two table lookups, a shift and three FMAs on the two
  * 512-bit ports, ~6 cycles a block from cache on an Intel Xeon (family 6 model 207) against
  * the ~2.5 that memory allows. Here every product of a 4-bit quant with x is an integer one:
  * vpdpbusd multiplies 64 unsigned bytes (the quants) with 64 signed bytes and adds them by 4
- * into 16 int32 lanes, one instruction for what costs the float path ~16.
+ * into 16 int32 lanes, one instruction for what costs the float path ~16. AVX2 (and AVX-512
+ * without VNNI) does the same in two: vpmaddubsw (32 products, added by 2 into int16, which
+ * cannot saturate: 2 * 15 * 128 < 2^15) and one vpaddw per 32; the int16 sums of a block's 8
+ * quads of k (< 2^15 again) are widened once per block by vpmaddwd.
  *
  * x is not rounded to 8 bits for it: each block of 32 values of a row of x is written exactly
  * as an integer X = x / s (s a power of two chosen so that |X| < 2^22: 22 bits and a sign below
@@ -32,7 +36,9 @@
  * no horizontal sum is needed. The same bytes per weight as GGUF's Q4_1 (20 per 32).
  */
 #if QISA == 512 && defined(__AVX512VNNI__)
-#define QV 1
+#define QV 512
+#elif QISA
+#define QV 256
 #else
 #define QV 0
 #endif
@@ -42,6 +48,7 @@
 #define QV_MAX_ROWS 8   /* most rows of x the integer path takes */
 #define QV_AHEAD 8      /* blocks prefetched ahead */
 
+/* The integer path's vector width in bits (512: AVX-512 VNNI, 256: AVX2), 0 in a build without. */
 int pdserve_qv_available(void) { return QV; }
 
 /* Bytes of the layout above for an [N, K] Q4_1 weight; -1 where it cannot hold one. */
@@ -86,30 +93,39 @@ typedef struct {
     int32_t pad[6];
 } XQ;
 
+/* x's 32 values of a block (at v) as int32 X[32] = x / s rounded, s = 2^(e - 148) for the block's
+ * largest |x| below 2^(e - 126) (|X| < 2^22); o->s and o->sum set. Returns 0 where the block's
+ * values are all below ~2^-105 or not all finite (o->l zeroed, o->s 0 or NaN). */
+ALWAYS int block_scale(float mx, float sum, XQ *o, float *inv) {
+    uint32_t bits;
+    memcpy(&bits, &mx, 4);
+    const int e = (int)(bits >> 23);
+    o->sum = sum;
+    if (e < 22 || e == 255 || !(sum - sum == 0.0f)) {
+        memset(o->l, 0, sizeof o->l);
+        o->s = e < 22 ? 0.0f : sum - sum; /* an inf or NaN in x: the outputs NaN */
+        return 0;
+    }
+    const uint32_t sb = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23;
+    memcpy(&o->s, &sb, 4);
+    memcpy(inv, &ib, 4);
+    return 1;
+}
+
+#if QV == 512
 /* The XQ of each block of x's row (K values). */
 static void qv_prepare(const float *x, int64_t K, XQ *out) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < K / QK; b++, x += QK) {
         const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
         XQ *o = out + b;
-        o->sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-        const float mx = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_and_ps(x0, sign), _mm512_and_ps(x1, sign)));
-        uint32_t bits;
-        memcpy(&bits, &mx, 4);
-        const int e = (int)(bits >> 23); /* |x| < 2^(e - 126): s = 2^(e - 148), |X| < 2^22 */
-        if (e < 22 || e == 255) {        /* below ~2^-105 (nothing to add) or not finite */
-            memset(o->l, 0, sizeof o->l);
-            o->s = e == 255 ? mx : 0.0f; /* inf or NaN goes on as such */
-            continue;
-        }
-        const uint32_t sb = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23;
         float inv;
-        memcpy(&o->s, &sb, 4);
-        memcpy(&inv, &ib, 4);
-        const __m512 iv = _mm512_set1_ps(inv);
+        if (!block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, sign),
+                                                             _mm512_and_ps(x1, sign))),
+                         _mm512_reduce_add_ps(_mm512_add_ps(x0, x1)), o, &inv))
+            continue;
         for (int h = 0; h < 2; h++) {
-            const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, iv)); /* exact * */
+            const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv)));
             const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
             const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(X, c), 8);
             const __m512i bb = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
@@ -120,13 +136,56 @@ static void qv_prepare(const float *x, int64_t K, XQ *out) {
         }
     }
 }
+#elif QV == 256
+/* The low byte of each of v's 8 int32 lanes, in order, into 8 bytes at p. */
+ALWAYS void store_low_bytes(void *p, __m256i v) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, pick),
+                                                  _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64((__m128i *)p, _mm256_castsi256_si128(b));
+}
 
-/* out[c][r] = x row c . dequant(row 16 g + r) for c < mr, r < 16: the group's kb blocks from p,
- * x's XQ rows kb apart. */
+static void qv_prepare(const float *x, int64_t K, XQ *out) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < K / QK; b++, x += QK) {
+        __m256 v[4], mx, sum;
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+        mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], sign), _mm256_and_ps(v[1], sign)),
+                           _mm256_max_ps(_mm256_and_ps(v[2], sign), _mm256_and_ps(v[3], sign)));
+        sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+        float m8[8], s8[8], mxs = 0.0f, sums = 0.0f;
+        _mm256_storeu_ps(m8, mx);
+        _mm256_storeu_ps(s8, sum);
+        for (int i = 0; i < 8; i++) {
+            mxs = m8[i] > mxs || m8[i] != m8[i] ? m8[i] : mxs;
+            sums += s8[i];
+        }
+        XQ *o = out + b;
+        float inv;
+        if (!block_scale(mxs, sums, o, &inv)) continue;
+        for (int i = 0; i < 4; i++) {
+            const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            const __m256i c = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24);
+            const __m256i t = _mm256_srai_epi32(_mm256_sub_epi32(X, c), 8);
+            const __m256i bb = _mm256_srai_epi32(_mm256_slli_epi32(t, 24), 24);
+            const __m256i a = _mm256_srai_epi32(_mm256_sub_epi32(t, bb), 8);
+            store_low_bytes((int8_t *)o->l[0] + 8 * i, a);
+            store_low_bytes((int8_t *)o->l[1] + 8 * i, bb);
+            store_low_bytes((int8_t *)o->l[2] + 8 * i, c);
+        }
+    }
+}
+#endif
+
+/* out[16 c + r] = x row c . dequant(row 16 g + r) for c < mr, r < 16: the group's kb blocks
+ * from p, x's XQ rows kb apart. A block adds d * s * S + m * (sum of x) to each row's sum. */
 ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
+#if QV == 512
     const __m512i lo = _mm512_set1_epi8(15);
-    __m512 acc[QV_MR], macc[QV_MR];
-    for (int c = 0; c < mr; c++) acc[c] = macc[c] = _mm512_setzero_ps();
+    __m512 acc[QV_MR];
+    for (int c = 0; c < mr; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++, p += QVGB) {
         for (int i = 0; i < QVGB; i += 64)
             _mm_prefetch((const char *)p + QV_AHEAD * QVGB + i, _MM_HINT_T0);
@@ -149,12 +208,48 @@ ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *
             __m512i t = _mm512_add_epi32(s[0][0], s[0][1]);
             t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[1][0], s[1][1]));
             t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[2][0], s[2][1]));
-            acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x->s)),
-                                     d, acc[c]);
-            macc[c] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum), macc[c]);
+            const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x->s));
+            acc[c] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum), _mm512_fmadd_ps(ds, d, acc[c]));
         }
     }
-    for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(acc[c], macc[c]));
+    for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+#else /* QV == 256: the group's rows 0-7 and 8-15 as two halves of each run */
+    const __m256i lo = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[QV_MR][2];
+    for (int c = 0; c < mr; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++, p += QVGB) {
+        for (int i = 0; i < QVGB; i += 64)
+            _mm_prefetch((const char *)p + QV_AHEAD * QVGB + i, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i u[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * c + 32 * h));
+                u[2 * c] = _mm256_and_si256(v, lo);
+                u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+            for (int c = 0; c < mr; c++) {
+                const XQ *x = xq + c * kb + b;
+                __m256i s[3];
+                for (int l = 0; l < 3; l++) {
+                    s[l] = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(x->l[l][0]));
+                    for (int q = 1; q < 8; q++)
+                        s[l] = _mm256_add_epi16(
+                            s[l], _mm256_maddubs_epi16(u[q], _mm256_set1_epi32(x->l[l][q])));
+                    s[l] = _mm256_madd_epi16(s[l], ones);
+                }
+                __m256i t = _mm256_add_epi32(_mm256_slli_epi32(s[0], 8), s[1]);
+                t = _mm256_add_epi32(_mm256_slli_epi32(t, 8), s[2]);
+                const __m256 ds = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(x->s));
+                acc[c][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->sum),
+                                            _mm256_fmadd_ps(ds, d, acc[c][h]));
+            }
+        }
+    }
+    for (int c = 0; c < mr; c++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 16 * c + 8 * h, acc[c][h]);
+#endif
 }
 #endif
 
