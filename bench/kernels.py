@@ -13,7 +13,8 @@ kernel (gemm.linear) vs torch's F.linear, ms per step and GB/s of weights read.
 
 quant: the same projections quantized (Q4_1, Q4_0, Q8_0; each layer its own weights, 84-143 MB,
 so they stream from memory), a few rows of fp32 x, quant.c's AVX-512 and AVX2 builds, ms per step
-and GB/s of packed weights read; with --quant-baseline OTHER.c (e.g. `git show
+and GB/s of packed weights read (Q4_1 up to QV_MAX_ROWS rows: the integer path too, on the same
+weights, where the build has it); with --quant-baseline OTHER.c (e.g. `git show
 main:kernels/cpu/quant.c > /tmp/quant_main.c`) that source too, alternating call by call in one
 run, and the ratio.
 """
@@ -271,6 +272,11 @@ def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | Non
                     for w, (n, k) in zip(weights, shapes, strict=True)
                 ]
                 times: dict[str, list[float]] = {name: [] for name in libs}
+                lib = libs["this"]
+                copies = [quant.integer_copy(w, lib) for w in weights]
+                integer = m <= quant.QV_MAX_ROWS and all(v is not None for v in copies)
+                if integer:  # this tree's integer path (Q4_1, fp32 x) on the same weights
+                    times["integer"] = []
                 for _ in range(repeats + 1):  # the first round warms up
                     for name, lib in libs.items():
                         fn = lib.pdserve_qlinear
@@ -278,9 +284,18 @@ def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | Non
                         for x, w, qt, y, n, k in calls:
                             fn(x, w, qt, None, None, y, m, n, k, 0, threads)
                         times[name].append((time.perf_counter() - start) * 1e3)
+                    if integer:
+                        fn = libs["this"].pdserve_qlinear_v
+                        start = time.perf_counter()
+                        for (x, _, _, y, n, k), v in zip(calls, copies, strict=True):
+                            fn(x, v.data_ptr(), None, y, m, n, k, threads)
+                        times["integer"].append((time.perf_counter() - start) * 1e3)
                 ms = {name: statistics.median(t[1:]) for name, t in times.items()}
                 line = f"  quant {fmt} {isa:6s} M={m:<2d} this {ms['this']:6.2f} ms "
                 line += f"{weight_gb / ms['this'] * 1e3:5.1f} GB/s"
+                if integer:
+                    line += f"   integer {ms['integer']:6.2f} ms "
+                    line += f"{weight_gb / ms['integer'] * 1e3:5.1f} GB/s"
                 if baseline:
                     line += f"   baseline {ms['baseline']:6.2f} ms "
                     line += f"{weight_gb / ms['baseline'] * 1e3:5.1f} GB/s"
