@@ -13,7 +13,7 @@ kernel (gemm.linear) vs torch's F.linear, ms per step and GB/s of weights read.
 
 quant: the same projections quantized (Q4_1, Q4_0, Q8_0; each layer its own weights, 84-143 MB,
 so they stream from memory), a few rows of fp32 x, quant.c's AVX-512 and AVX2 builds, ms per step
-and GB/s of packed weights read (Q4_1 up to QV_MAX_ROWS rows: the integer path too, on the same
+and GB/s of packed weights read (up to QV_MAX_ROWS rows: the integer path too, on the same
 weights, where the build has it); with --quant-baseline OTHER.c (e.g. `git show
 main:kernels/cpu/quant.c > /tmp/quant_main.c`) that source too, alternating call by call in one
 run, and the ratio.
@@ -287,8 +287,8 @@ def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | Non
                     if integer:
                         fn = libs["this"].pdserve_qlinear_v
                         start = time.perf_counter()
-                        for (x, _, _, y, n, k), v in zip(calls, copies, strict=True):
-                            fn(x, v.data_ptr(), None, y, m, n, k, threads)
+                        for (x, _, _, y, n, k), v, w in zip(calls, copies, weights, strict=True):
+                            fn(x, v.data_ptr(), w.qtype, None, y, m, n, k, threads)
                         times["integer"].append((time.perf_counter() - start) * 1e3)
                 ms = {name: statistics.median(t[1:]) for name, t in times.items()}
                 line = f"  quant {fmt} {isa:6s} M={m:<2d} this {ms['this']:6.2f} ms "

@@ -445,7 +445,8 @@ void pdserve_qlinear_desc(const void *x, const QDesc *d, const void *bias, void 
 /* The same with fp32 x, bias and y (the fp32 layer loop's linear_fn). */
 void pdserve_qlinear_desc_f32(const void *x, const QDesc *d, const void *bias, void *y, int64_t M,
                               int64_t N, int64_t K, int32_t num_threads) {
-    if (d->v && M <= QV_MAX_ROWS && !pdserve_qlinear_v(x, d->v, bias, y, M, N, K, num_threads))
+    if (d->v && M <= QV_MAX_ROWS &&
+        !pdserve_qlinear_v(x, d->v, d->qt, bias, y, M, N, K, num_threads))
         return;
     pdserve_qlinear(x, d->w, d->qt, d->scale, bias, y, M, N, K, 0, num_threads);
 }

@@ -69,11 +69,11 @@ def load(source: Path, isa: str) -> ctypes.CDLL:
         fn.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
         fn.restype = None
     lib.pdserve_qv_available.restype = ctypes.c_int
-    lib.pdserve_qv_bytes.argtypes = [_I64, _I64]
+    lib.pdserve_qv_bytes.argtypes = [_I64, _I64, _I32]
     lib.pdserve_qv_bytes.restype = _I64
-    lib.pdserve_qv_pack.argtypes = [_P, _I64, _I64, _P, _I32]
+    lib.pdserve_qv_pack.argtypes = [_P, _I64, _I64, _I32, _P, _I32]
     lib.pdserve_qv_pack.restype = ctypes.c_int
-    lib.pdserve_qlinear_v.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
+    lib.pdserve_qlinear_v.argtypes = [_P, _P, _I32, _P, _P, _I64, _I64, _I64, _I32]
     lib.pdserve_qlinear_v.restype = ctypes.c_int
     return lib
 
@@ -177,6 +177,7 @@ def linear(
     if v is not None and not lib.pdserve_qlinear_v(
         x2.data_ptr(),
         v.data_ptr(),
+        w.qtype,
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         m,
@@ -221,21 +222,23 @@ def _has_integer_path(lib: ctypes.CDLL) -> bool:
 
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """``w``'s Q4_1 blocks repacked for the integer path (``quant_int.h``: fp32 x, up to
-    QV_MAX_ROWS rows, AVX-512 VNNI), made on first use and dropped with ``w``; None where the
-    build has no such path (``PDSERVE_QUANT_ISA``, the CPU) or ``w`` is not Q4_1 with N % 16 ==
-    0. The blocks stay too: more rows (prefill) dequantize them."""
+    """``w``'s blocks repacked for the integer path (``quant_int.h``: fp32 x, up to QV_MAX_ROWS
+    rows; Q4_1 with AVX2 or AVX-512 VNNI, Q8_0 with AVX-512 VNNI), made on first use and dropped
+    with ``w``; None where the build has no such path for ``w``'s format (``PDSERVE_QUANT_ISA``,
+    the CPU, ``PDSERVE_QUANT_INTEGER=0``) or N % 16 != 0. The blocks stay too: more rows
+    (prefill) and the embedding lookup dequantize them."""
     lib = lib or library()
-    if w.qtype != Q4_1 or not _has_integer_path(lib):
+    if w.qtype not in (Q4_1, Q8_0) or not _has_integer_path(lib):
         return None
     entry = _integer.get(id(w))
     if entry is not None and entry[0]() is w:
         return entry[1]
     n, k = w.shape
-    if lib.pdserve_qv_bytes(n, k) < 0:
+    size = lib.pdserve_qv_bytes(n, k, w.qtype)
+    if size < 0:
         return None
-    v = torch.empty(lib.pdserve_qv_bytes(n, k), dtype=torch.uint8)
-    lib.pdserve_qv_pack(w.data.data_ptr(), n, k, v.data_ptr(), torch.get_num_threads())
+    v = torch.empty(size, dtype=torch.uint8)
+    lib.pdserve_qv_pack(w.data.data_ptr(), n, k, w.qtype, v.data_ptr(), torch.get_num_threads())
     key = id(w)
     _integer[key] = (weakref.ref(w, lambda _, key=key: _integer.pop(key, None)), v)
     return v

@@ -43,7 +43,8 @@
 #define QV 0
 #endif
 #define QVG 16          /* output rows per group */
-#define QVGB 320        /* bytes per group and block of 32 k */
+#define QVGB 320        /* bytes per group and block of 32 k: Q4_1 */
+#define QVGB8 544       /* Q8_0 (AVX-512 VNNI only) */
 #define QV_MR 4         /* rows of x per pass over the weights */
 #define QV_MAX_ROWS 8   /* most rows of x the integer path takes */
 #define QV_AHEAD 8      /* blocks prefetched ahead */
@@ -51,30 +52,38 @@
 /* The integer path's vector width in bits (512: AVX-512 VNNI, 256: AVX2), 0 in a build without. */
 int pdserve_qv_available(void) { return QV; }
 
-/* Bytes of the layout above for an [N, K] Q4_1 weight; -1 where it cannot hold one. */
-int64_t pdserve_qv_bytes(int64_t N, int64_t K) {
-    return N <= 0 || N % QVG || K <= 0 || K % QK ? -1 : N / QVG * (K / QK) * QVGB;
+/* Bytes of the layout above for an [N, K] weight of format qt; -1 where it cannot hold one (Q4_1
+ * in every build with the path, Q8_0 with AVX-512 VNNI only). */
+int64_t pdserve_qv_bytes(int64_t N, int64_t K, int32_t qt) {
+    const int64_t gb = qt == Q4_1 && QV ? QVGB : qt == Q8_0 && QV == 512 ? QVGB8 : 0;
+    return !gb || N <= 0 || N % QVG || K <= 0 || K % QK ? -1 : N / QVG * (K / QK) * gb;
 }
 
-/* GGUF Q4_1 blocks [N, K / 32] (20 bytes: d, m, 16 bytes, value j low nibble, j + 16 high)
- * into the layout above. Returns -2 if N or K does not fit it. */
-int pdserve_qv_pack(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
+/* GGUF blocks [N, K / 32] of format qt (Q4_1: 20 bytes, d, m, 16 bytes, value j low nibble, j +
+ * 16 high; Q8_0: 34 bytes, d, 32 int8) into the layout above (Q8_0: d of the 16 rows, then 8
+ * runs of 64 bytes, run c dword r byte j the int8 at k = 4 c + j). Returns -2 if N, K or the
+ * format does not fit it. */
+int pdserve_qv_pack(const uint8_t *blocks, int64_t N, int64_t K, int32_t qt, uint8_t *out,
                     int32_t num_threads) {
-    if (pdserve_qv_bytes(N, K) < 0) return -2;
-    const int64_t kb = K / QK;
+    if (pdserve_qv_bytes(N, K, qt) < 0) return -2;
+    const int64_t kb = K / QK, bb = qt == Q8_0 ? 34 : 20, gb = qt == Q8_0 ? QVGB8 : QVGB;
     if ((double)N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < kb; b++) {
-            const uint8_t *src = blocks + (n * kb + b) * 20;
-            uint8_t *dst = out + ((n / QVG) * kb + b) * QVGB;
+            const uint8_t *src = blocks + (n * kb + b) * bb;
+            uint8_t *dst = out + ((n / QVG) * kb + b) * gb;
             const int r = (int)(n % QVG);
+            memcpy(dst + 2 * r, src, 2);
+            if (qt == Q8_0) {
+                for (int c = 0; c < 8; c++) memcpy(dst + 32 + 64 * c + 4 * r, src + 2 + 4 * c, 4);
+                continue;
+            }
             uint8_t q[QK];
             for (int j = 0; j < 16; j++) {
                 q[j] = src[4 + j] & 15;
                 q[j + 16] = src[4 + j] >> 4;
             }
-            memcpy(dst + 2 * r, src, 2);
             memcpy(dst + 32 + 2 * r, src + 2, 2);
             for (int c = 0; c < 4; c++)
                 for (int j = 0; j < 4; j++)
@@ -86,11 +95,13 @@ int pdserve_qv_pack(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
 
 #if QV
 /* One block of 32 values of a row of x as three signed bytes each (l[0] the high ones; l[i][q]
- * holds k = 4 q .. 4 q + 3), its power-of-two scale s and its fp32 sum. */
+ * holds k = 4 q .. 4 q + 3), its power-of-two scale s and its fp32 sum; for Q8_0's weights, read
+ * as unsigned q + 128, the scales of the limbs and what the 128 adds (AVX-512 VNNI). */
 typedef struct {
     int32_t l[3][8];
     float s, sum;
-    int32_t pad[6];
+    float s2, s1, corr; /* Q8_0: 65536 s, 256 s, 128 s * (sum of X) */
+    int32_t pad[3];
 } XQ;
 
 /* x's 32 values of a block (at v) as int32 X[32] = x / s rounded, s = 2^(e - 148) for the block's
@@ -104,6 +115,7 @@ ALWAYS int block_scale(float mx, float sum, XQ *o, float *inv) {
     if (e < 22 || e == 255 || !(sum - sum == 0.0f)) {
         memset(o->l, 0, sizeof o->l);
         o->s = e < 22 ? 0.0f : sum - sum; /* an inf or NaN in x: the outputs NaN */
+        o->s2 = o->s1 = o->corr = o->s;
         return 0;
     }
     const uint32_t sb = (uint32_t)(e - 21) << 23, ib = (uint32_t)(275 - e) << 23;
@@ -124,8 +136,10 @@ static void qv_prepare(const float *x, int64_t K, XQ *out) {
                                                              _mm512_and_ps(x1, sign))),
                          _mm512_reduce_add_ps(_mm512_add_ps(x0, x1)), o, &inv))
             continue;
+        int64_t sx = 0;
         for (int h = 0; h < 2; h++) {
             const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv)));
+            sx += _mm512_reduce_add_epi32(X);
             const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
             const __m512i t = _mm512_srai_epi32(_mm512_sub_epi32(X, c), 8);
             const __m512i bb = _mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24);
@@ -134,6 +148,8 @@ static void qv_prepare(const float *x, int64_t K, XQ *out) {
             _mm_storeu_si128((__m128i *)o->l[1] + h, _mm512_cvtepi32_epi8(bb));
             _mm_storeu_si128((__m128i *)o->l[2] + h, _mm512_cvtepi32_epi8(c));
         }
+        o->s2 = o->s * 65536.0f, o->s1 = o->s * 256.0f;
+        o->corr = (float)(128.0 * (double)o->s * (double)sx);
     }
 }
 #elif QV == 256
@@ -251,35 +267,82 @@ ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 16 * c + 8 * h, acc[c][h]);
 #endif
 }
+
+#if QV == 512
+/* qv_group for Q8_0: the int8 quants read as unsigned q + 128 (one xor), each limb's sums over a
+ * block (|A| < 32 * 255 * 128, exact in int32 and in fp32) combined in fp32 and what the 128
+ * added taken off: a block adds d * (s * (65536 A + 256 B + C) - 128 s * sum of X). */
+ALWAYS void qv_group8(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[QV_MR];
+    for (int c = 0; c < mr; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++, p += QVGB8) {
+        for (int i = 0; i < QVGB8; i += 64)
+            _mm_prefetch((const char *)p + QV_AHEAD * QVGB8 + i, _MM_HINT_T0);
+        __m512i u[8];
+        for (int q = 0; q < 8; q++)
+            u[q] = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * q), flip);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        for (int c = 0; c < mr; c++) {
+            const XQ *x = xq + c * kb + b;
+            __m512i s[3][2];
+            for (int l = 0; l < 3; l++) s[l][0] = s[l][1] = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q++)
+                for (int l = 0; l < 3; l++)
+                    s[l][q & 1] =
+                        _mm512_dpbusd_epi32(s[l][q & 1], u[q], _mm512_set1_epi32(x->l[l][q]));
+            __m512 t = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_add_epi32(s[2][0], s[2][1])), _mm512_set1_ps(x->s));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[1][0], s[1][1])),
+                                _mm512_set1_ps(x->s1), t);
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[0][0], s[0][1])),
+                                _mm512_set1_ps(x->s2), t);
+            acc[c] = _mm512_fmadd_ps(_mm512_sub_ps(t, _mm512_set1_ps(x->corr)), d, acc[c]);
+        }
+    }
+    for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+#endif
 #endif
 
 /*
- * y[M, N] = x[M, K] @ dequant(w)^T (+ bias), fp32, for the weight in the layout above (v) and
- * M <= QV_MAX_ROWS. Returns 0; -1 if scratch memory could not be had; -2 where this build has no
- * integer path or the shapes do not fit it.
+ * y[M, N] = x[M, K] @ dequant(w)^T (+ bias), fp32, for a weight of format qt in the layout above
+ * (v) and M <= QV_MAX_ROWS. Returns 0; -1 if scratch memory could not be had; -2 where this build
+ * has no integer path for qt or the shapes do not fit it.
  */
-int pdserve_qlinear_v(const float *x, const uint8_t *v, const float *bias, float *y, int64_t M,
-                      int64_t N, int64_t K, int32_t num_threads) {
+int pdserve_qlinear_v(const float *x, const uint8_t *v, int32_t qt, const float *bias, float *y,
+                      int64_t M, int64_t N, int64_t K, int32_t num_threads) {
 #if QV
-    if (pdserve_qv_bytes(N, K) < 0 || M > QV_MAX_ROWS) return -2;
+    if (pdserve_qv_bytes(N, K, qt) < 0 || M > QV_MAX_ROWS) return -2;
     if (M <= 0) return 0;
-    const int64_t kb = K / QK, groups = N / QVG;
+    const int64_t kb = K / QK, groups = N / QVG, gb = qt == Q8_0 ? QVGB8 : QVGB;
     XQ *xq = aligned_alloc(64, (size_t)(M * kb) * sizeof(XQ));
     if (!xq) return -1;
     for (int64_t c = 0; c < M; c++) qv_prepare(x + c * K, K, xq + c * kb);
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p = v + g * kb * QVGB;
+        const uint8_t *p = v + g * kb * gb;
         for (int64_t c0 = 0; c0 < M; c0 += QV_MR) {
             float out[QV_MR * QVG];
             const int mr = M - c0 < QV_MR ? (int)(M - c0) : QV_MR;
-            switch (mr) {
-            case 4: qv_group(p, kb, xq + c0 * kb, 4, out); break;
-            case 3: qv_group(p, kb, xq + c0 * kb, 3, out); break;
-            case 2: qv_group(p, kb, xq + c0 * kb, 2, out); break;
-            default: qv_group(p, kb, xq + c0 * kb, 1, out); break;
-            }
+            const XQ *xc = xq + c0 * kb;
+#if QV == 512
+            if (qt == Q8_0) {
+                switch (mr) {
+                case 4: qv_group8(p, kb, xc, 4, out); break;
+                case 3: qv_group8(p, kb, xc, 3, out); break;
+                case 2: qv_group8(p, kb, xc, 2, out); break;
+                default: qv_group8(p, kb, xc, 1, out); break;
+                }
+            } else
+#endif
+                switch (mr) {
+                case 4: qv_group(p, kb, xc, 4, out); break;
+                case 3: qv_group(p, kb, xc, 3, out); break;
+                case 2: qv_group(p, kb, xc, 2, out); break;
+                default: qv_group(p, kb, xc, 1, out); break;
+                }
             for (int c = 0; c < mr; c++)
                 for (int r = 0; r < QVG; r++)
                     y[(c0 + c) * N + g * QVG + r] =
@@ -289,7 +352,7 @@ int pdserve_qlinear_v(const float *x, const uint8_t *v, const float *bias, float
     free(xq);
     return 0;
 #else
-    (void)x, (void)v, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    (void)x, (void)v, (void)qt, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return -2;
 #endif
 }

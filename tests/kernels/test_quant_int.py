@@ -63,18 +63,40 @@ def unpack(v: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return w.permute(0, 2, 1, 3).reshape(n, k)
 
 
-@needs_int
-def test_layout_holds_the_blocks_exactly():
+def unpack8(v: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The same for Q8_0's layout (q d)."""
+    g = v.view(n // 16, k // 32, 544)
+    d = g[..., :32].contiguous().view(torch.float16).float()
+    q = g[..., 32:].contiguous().view(torch.int8).reshape(n // 16, k // 32, 8, 16, 4)
+    q = q.permute(0, 1, 3, 2, 4).reshape(n // 16, k // 32, 16, 32).float()  # row r, k = 4c + j
+    return (q * d[..., None]).permute(0, 2, 1, 3).reshape(n, k)
+
+
+Q8_ON_512 = pytest.mark.skipif(
+    shutil.which("cc") is None or _width("native") != 512,
+    reason="Q8_0's integer path needs AVX-512 VNNI",
+)
+
+
+@pytest.mark.parametrize(
+    "name,bytes_per_block",
+    [pytest.param("q4_1", 20, marks=needs_int), pytest.param("q8_0", 34, marks=Q8_ON_512)],
+)
+def test_layout_holds_the_blocks_exactly(name, bytes_per_block):
     n, k = 48, 96
-    qw = Q.quantize(make_weight(n, k, 1), "q4_1")
+    qw = Q.quantize(make_weight(n, k, 1), name)
     v = quant.integer_copy(qw)
-    assert v is not None and v.numel() == n // 16 * (k // 32) * 320 == 20 * n * k // 32
-    assert torch.equal(unpack(v, n, k), Q.dequantize_reference(qw))
+    assert v is not None and v.numel() == bytes_per_block * n * k // 32
+    back = (unpack if name == "q4_1" else unpack8)(v, n, k)
+    assert torch.equal(back, Q.dequantize_reference(qw))
 
 
-def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, k: int) -> None:
+def assert_within_bound(
+    y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, k: int, d: torch.Tensor | None = None
+) -> None:
     """fp32 rounding of a k-term sum (test_quant.py's bound) plus x's representation: each x
-    value within 2^-22 of the largest |x| of its block of 32."""
+    value within 2^-22 of the largest |x| of its block of 32. Q8_0 (``d``: its [N, K / 32]
+    scales): plus the rounding of the block sums of (q + 128) x, a few ulps of 256 d sum |x|."""
     eps = torch.finfo(torch.float32).eps
     xd = x.double()
     ref = xd @ w64.T
@@ -82,25 +104,35 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, k: 
     block_max = xd.abs().view(x.shape[0], k // 32, 32).amax(-1)  # [m, blocks]
     wabs = w64.abs().view(w64.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
     tol = fp32 + 2.0**-22 * (block_max @ wabs.T) + 1e-30
+    if d is not None:
+        xsum = xd.abs().view(x.shape[0], k // 32, 32).sum(-1)
+        tol = tol + 2.0**-21 * (xsum @ (256 * d.double()).T)
     err = (y.double() - ref).abs()
     assert not bool((err > tol).any()), f"{int((err > tol).sum())} outputs off, worst {err.max()}"
 
 
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_outputs_within_fp32_rounding_and_x_representation(isa, threads):
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
     """Every row count it takes (1-8: passes of 4 and partial ones), K of 1 to 65 blocks, 16 to
     320 rows, with and without bias; blocks of x of very different magnitudes, an all-zero
     block and a block with one large value among tiny ones."""
     lib = quant.library(isa)
     assert lib.pdserve_qv_available() in (256, 512)
+    if name == "q8_0" and lib.pdserve_qv_available() != 512:
+        pytest.skip("Q8_0's integer path needs AVX-512 VNNI")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(3)
     try:
         for n, k in [(16, 32), (64, 576), (320, 1536), (32, 2080)]:
-            qw = Q.quantize(make_weight(n, k, n + k), "q4_1")
+            qw = Q.quantize(make_weight(n, k, n + k), name)
+            assert quant.integer_copy(qw, lib) is not None
             w64 = Q.dequantize_reference(qw).double()
+            d = None
+            if name == "q8_0":
+                d = qw.data.view(n, k // 32, 34)[..., :2].contiguous().view(torch.float16)[..., 0]
             bias = torch.randn(n, generator=g)
             for m in range(1, quant.QV_MAX_ROWS + 1):
                 scale = 10.0 ** torch.randint(-6, 6, (m, k // 32, 1), generator=g).double()
@@ -111,7 +143,7 @@ def test_outputs_within_fp32_rounding_and_x_representation(isa, threads):
                     x[-1, 40] = 3e4
                 y = quant.linear(x, qw, lib=lib)
                 assert y.shape == (m, n)
-                assert_within_bound(y, x, w64, k)
+                assert_within_bound(y, x, w64, k, d)
                 yb = quant.linear(x, qw, bias, lib=lib)
                 assert torch.equal(yb, y + bias)
     finally:
@@ -120,8 +152,9 @@ def test_outputs_within_fp32_rounding_and_x_representation(isa, threads):
 
 @needs_int
 def test_taken_only_where_it_applies(monkeypatch):
-    """Q4_1 with N % 16 == 0 and at most QV_MAX_ROWS rows of fp32 x; other formats, shapes, row
-    counts and bf16 x keep the float path (same outputs as its entry point gives)."""
+    """Q4_1 with N % 16 == 0 and at most QV_MAX_ROWS rows of fp32 x; other formats (Q4_0; Q8_0
+    without VNNI), shapes, row counts and bf16 x keep the float path (same outputs as its entry
+    point gives)."""
     lib = quant.library()
     k = 96
     q41 = Q.quantize(make_weight(32, k, 5), "q4_1")
@@ -129,7 +162,7 @@ def test_taken_only_where_it_applies(monkeypatch):
     assert quant.integer_copy(q41) is quant.integer_copy(q41)  # made once
     for other in (
         Q.quantize(make_weight(30, k, 6), "q4_1"),
-        Q.quantize(make_weight(32, k, 7), "q8_0"),
+        Q.quantize(make_weight(32, k, 7), "q4_0"),
     ):
         assert quant.integer_copy(other) is None  # N % 16, the format
     assert quant.integer_copy(q41, lib=quant.library("portable")) is None
@@ -139,7 +172,9 @@ def test_taken_only_where_it_applies(monkeypatch):
         y = torch.empty(m, n, dtype=x.dtype)
         if integer:
             v = quant.integer_copy(w)
-            rc = lib.pdserve_qlinear_v(x.data_ptr(), v.data_ptr(), None, y.data_ptr(), m, n, k, 1)
+            rc = lib.pdserve_qlinear_v(
+                x.data_ptr(), v.data_ptr(), w.qtype, None, y.data_ptr(), m, n, k, 1
+            )
         else:
             bf16 = int(x.dtype == torch.bfloat16)
             rc = lib.pdserve_qlinear(
@@ -163,7 +198,7 @@ def test_layer_loop_descriptor_carries_the_copy():
     qw = Q.quantize(make_weight(32, 64, 9), "q4_1")
     desc = quant.descriptor(qw)
     assert desc.v == quant.integer_copy(qw).data_ptr()
-    assert quant.descriptor(Q.quantize(make_weight(32, 64, 9), "q8_0")).v is None
+    assert quant.descriptor(Q.quantize(make_weight(32, 64, 9), "q4_0")).v is None
 
 
 @needs_cc
@@ -171,8 +206,17 @@ def test_the_portable_build_refuses_it():
     lib = quant.library("portable")
     assert lib.pdserve_qv_available() == 0
     x, y = torch.randn(1, 32), torch.empty(1, 16)
-    assert lib.pdserve_qlinear_v(x.data_ptr(), None, None, y.data_ptr(), 1, 16, 32, 1) == -2
-    assert lib.pdserve_qv_bytes(15, 32) == -1 and lib.pdserve_qv_bytes(16, 32) == 320
+    assert lib.pdserve_qlinear_v(x.data_ptr(), None, 3, None, y.data_ptr(), 1, 16, 32, 1) == -2
+    assert lib.pdserve_qv_bytes(16, 32, 3) == -1
+
+
+@needs_int
+def test_sizes_and_formats():
+    lib = quant.library()
+    assert lib.pdserve_qv_bytes(16, 32, 3) == 320 and lib.pdserve_qv_bytes(15, 32, 3) == -1
+    assert lib.pdserve_qv_bytes(16, 48, 3) == -1 and lib.pdserve_qv_bytes(16, 32, 2) == -1
+    want = 544 if lib.pdserve_qv_available() == 512 else -1
+    assert lib.pdserve_qv_bytes(16, 32, 8) == want
 
 
 @pytest.mark.parametrize("isa", BUILDS)
