@@ -18,7 +18,7 @@
  * back), so the kernel computes sum_k w[n, k] * x[m, k] of the very weights a plain torch
  * dequantization gives; the sums run in fp32 in an order of our own.
  *
- * Two paths per call, by the number of rows of x:
+ * Paths per call, by the number of rows of x and the format:
  *   - direct (M <= 2 passes of MRD rows, decode): each block of a weight row is loaded once, its
  *     quants widened to fp32 in registers and multiplied with every row of x of the pass; each
  *     block's sum is scaled once (d; Q4_1 adds m times the block's sum of x, I8 scales the row's
@@ -26,6 +26,10 @@
  *     (1.5-2.5x faster per block). The weights stream from memory once per pass at 0.56-1.06
  *     bytes per weight instead of 4 (fp32). In quant_direct.h: scales converted 16 blocks at a
  *     time, one row of x against RN weight rows side by side.
+ *   - integer (Q4_1 and, with AVX-512 VNNI, Q8_0; fp32 x; up to QV_MAX_ROWS rows), in
+ *     quant_int.h: on a repacked copy of the blocks, x written exactly as three signed bytes per
+ *     value, the products summed in int32 (pdserve_qlinear_v; the layer loop's QDesc carries the
+ *     copy).
  *   - tiled (more rows): RT weight rows at a time are dequantized into a per-thread fp32 scratch
  *     (RT * K floats, L1/L2 resident) and multiplied with all rows of x in passes of TC rows.
  *     The Python side sends many rows (prefill) to torch's GEMM on dequantized tiles instead.

@@ -1,11 +1,11 @@
 /*
- * quant.c's integer path: Q4_1 weights times fp32 x in integer arithmetic (few rows of x,
- * decode), with AVX-512 VNNI or AVX2. Included by quant.c after its vector macros; not a header
- * of its own to use elsewhere.
+ * quant.c's integer path: Q4_1 (AVX-512 VNNI or AVX2) and Q8_0 (AVX-512 VNNI) weights times fp32
+ * x in integer arithmetic (few rows of x, decode). Included by quant.c after its vector macros;
+ * not a header of its own to use elsewhere.
  *
  * Why: with one row of x the float path (quant_direct.h) is bound by its instructions, not by
  * memory: per 32 weights a widening, two table lookups, a shift and three FMAs on the two
- * 512-bit ports, ~6 cycles a block from cache on an Intel Xeon (family 6 model 207) against
+ * 512-bit ports, ~6-7 cycles a block from cache on an Intel Xeon (family 6 model 207) against
  * the ~2.5 that memory allows. Here every product of a 4-bit quant with x is an integer one:
  * vpdpbusd multiplies 64 unsigned bytes (the quants) with 64 signed bytes and adds them by 4
  * into 16 int32 lanes, one instruction for what costs the float path ~16. AVX2 (and AVX-512
@@ -20,7 +20,8 @@
  * their combination S = 65536 A + 256 B + C (|S| < 32 * 15 * 2^22 < 2^31). A block contributes
  * d * s * S + m * (sum of x), the form quant_direct.h uses; what differs from the float path is
  * where the rounding happens (S is exact, then converted once), and the representation of each x
- * value to within 2^-23 of its block's largest, below fp32's rounding of the block's sum.
+ * value to within 2^-22 of its block's largest, below fp32's rounding of the block's sum. Q8_0:
+ * see qv_group8.
  *
  * Layout (pdserve_qv_pack; N % 16 == 0): groups of 16 output rows g, then blocks of 32 k, 320
  * bytes each:
