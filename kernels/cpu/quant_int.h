@@ -196,6 +196,19 @@ static void qv_prepare(const float *x, int64_t K, XQ *out) {
 }
 #endif
 
+#if QV == 512
+/* out[l] = the int32 sums over a block of the unsigned bytes u[q] times x's limb l at quad q, in
+ * each of 16 lanes (two chains of four per limb, added). */
+ALWAYS void limb_sums(const __m512i u[8], const XQ *x, __m512i out[3]) {
+    __m512i s[3][2];
+    for (int l = 0; l < 3; l++) s[l][0] = s[l][1] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; q++)
+        for (int l = 0; l < 3; l++)
+            s[l][q & 1] = _mm512_dpbusd_epi32(s[l][q & 1], u[q], _mm512_set1_epi32(x->l[l][q]));
+    for (int l = 0; l < 3; l++) out[l] = _mm512_add_epi32(s[l][0], s[l][1]);
+}
+#endif
+
 /* out[16 c + r] = x row c . dequant(row 16 g + r) for c < mr, r < 16: the group's kb blocks
  * from p, x's XQ rows kb apart. A block adds d * s * S + m * (sum of x) to each row's sum. */
 ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
@@ -216,15 +229,10 @@ ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
         for (int c = 0; c < mr; c++) {
             const XQ *x = xq + c * kb + b;
-            __m512i s[3][2]; /* per limb, two chains of four */
-            for (int l = 0; l < 3; l++) s[l][0] = s[l][1] = _mm512_setzero_si512();
-            for (int q = 0; q < 8; q++)
-                for (int l = 0; l < 3; l++)
-                    s[l][q & 1] =
-                        _mm512_dpbusd_epi32(s[l][q & 1], u[q], _mm512_set1_epi32(x->l[l][q]));
-            __m512i t = _mm512_add_epi32(s[0][0], s[0][1]);
-            t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[1][0], s[1][1]));
-            t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(s[2][0], s[2][1]));
+            __m512i s[3];
+            limb_sums(u, x, s);
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(s[0], 8), s[1]);
+            t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), s[2]);
             const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x->s));
             acc[c] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum), _mm512_fmadd_ps(ds, d, acc[c]));
         }
@@ -286,18 +294,11 @@ ALWAYS void qv_group8(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float 
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         for (int c = 0; c < mr; c++) {
             const XQ *x = xq + c * kb + b;
-            __m512i s[3][2];
-            for (int l = 0; l < 3; l++) s[l][0] = s[l][1] = _mm512_setzero_si512();
-            for (int q = 0; q < 8; q++)
-                for (int l = 0; l < 3; l++)
-                    s[l][q & 1] =
-                        _mm512_dpbusd_epi32(s[l][q & 1], u[q], _mm512_set1_epi32(x->l[l][q]));
-            __m512 t = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_add_epi32(s[2][0], s[2][1])), _mm512_set1_ps(x->s));
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[1][0], s[1][1])),
-                                _mm512_set1_ps(x->s1), t);
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[0][0], s[0][1])),
-                                _mm512_set1_ps(x->s2), t);
+            __m512i s[3];
+            limb_sums(u, x, s);
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[2]), _mm512_set1_ps(x->s));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(x->s1), t);
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(x->s2), t);
             acc[c] = _mm512_fmadd_ps(_mm512_sub_ps(t, _mm512_set1_ps(x->corr)), d, acc[c]);
         }
     }
