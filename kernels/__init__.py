@@ -18,8 +18,9 @@ Every backend module exposes the same pure functions (see ``kernels/reference.py
   ``kv_block_writer(k_pools, v_pools, block_ids) -> write(layer, first, k, v)``: the KV
   transfer's copies (a layer's blocks into a message buffer; a message into every layer's pools)
 
-A backend may also have ``prepack_linear(weight)`` (the model loader calls it for every
-projection, to make the backend's own weight layout before the first request) and
+A backend may also have ``prepack_linear(weight, dtype)`` (the model loader calls it for every
+projection with the model's dtype, to make the backend's own weight layout before the first
+request) and
 ``compile_layer_loop(model)`` (a callable that runs a step's decoder layers in place of the
 module path, bit for bit the same, or None where it does not apply).
 

@@ -46,7 +46,7 @@ def quant_isa() -> str:
 
 
 def quant_integer() -> bool:
-    """Whether Q4_1 weights take quant.c's integer path where the build has it
+    """Whether Q4_1 and Q8_0 weights take quant.c's integer path where the build has it
     (PDSERVE_QUANT_INTEGER, default 1; 0 keeps the float path, e.g. to compare the two)."""
     return os.environ.get("PDSERVE_QUANT_INTEGER", "1") != "0"
 

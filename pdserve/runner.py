@@ -48,13 +48,11 @@ def load_model(
         if (
             prepack is not None
             and isinstance(module, torch.nn.Linear)
-            and (
-                isinstance(module.weight, torch.Tensor)
-                # a bf16 model's Q4_1 blocks get a layout of their own where bf16 is native
-                or (dtype == torch.bfloat16 and isinstance(module.weight, kernels.QuantizedWeight))
-            )
+            and isinstance(module.weight, (torch.Tensor, kernels.QuantizedWeight))
         ):
-            prepack(module.weight)  # a backend's own weight layout, made before the first request
+            # a backend's own weight layout, made before the first request (quantized blocks get
+            # one by the model's dtype: a bf16 copy where bf16 is native, fp32's integer path's)
+            prepack(module.weight, dtype)
     return model
 
 

@@ -192,12 +192,17 @@ def hybrid_weight(weight) -> HybridWeight | None:
     return desc
 
 
-def prepack_linear(weight: torch.Tensor | quant.QuantizedWeight) -> None:
-    """Pack a projection's weight now (the model loader calls this), not at its first use; a
-    Q4_1 or Q8_0 weight of a bf16 model (which ``hybrid_weight`` takes) too."""
+def prepack_linear(
+    weight: torch.Tensor | quant.QuantizedWeight, dtype: torch.dtype | None = None
+) -> None:
+    """Pack a projection's weight now (the model loader calls this), not at its first use. A
+    quantized weight by ``dtype``, the model's (x's): bf16, the hybrid's copy of its Q4_1 or Q8_0
+    blocks (``hybrid_weight``); fp32, the integer path's copy (``quant.integer_copy``)."""
     if isinstance(weight, quant.QuantizedWeight):
-        if hybrid_weight(weight) is None:
-            quant.integer_copy(weight)  # fp32 x: the integer path's copy, where it has one
+        if dtype == torch.bfloat16:
+            hybrid_weight(weight)
+        elif dtype == torch.float32:
+            quant.integer_copy(weight)
         return
     packing = _packing()
     if (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pdserve.kernels import QuantizedWeight
-from pdserve.kernels.cpu import gemm, ops
+from pdserve.kernels.cpu import gemm, ops, quant
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig
@@ -81,6 +81,15 @@ def test_native_q4_1_greedy_equals_dequantized_fp32(dense):
     assert held == {"QuantizedWeight"}
     qtypes = {lin.weight.name for _, lin in projections(native)}
     assert qtypes == {"q4_1", "q8_0"}  # the file's own: Q4_1 layers, Q8_0 tied embedding
+    # the integer path's copies are made at load, not in the first request's steps
+    width = quant.library().pdserve_qv_available() if quant.available() else 0
+    made = {name for name, lin in projections(native) if id(lin.weight) in quant._integer}
+    want = {
+        name
+        for name, lin in projections(native)
+        if width == 512 or (width and lin.weight.name == "q4_1")
+    }
+    assert made == want
     runner = native.engine.runner
     assert runner.weight_bytes() < dense.engine.runner.weight_bytes() / 5
     ours = greedy(native)
