@@ -21,7 +21,7 @@
  * d * s * S + m * (sum of x), the form quant_direct.h uses; what differs from the float path is
  * where the rounding happens (S is exact, then converted once), and the representation of each x
  * value to within 2^-22 of its block's largest, below fp32's rounding of the block's sum. Q8_0:
- * see qv_group8.
+ * see qv_group.
  *
  * Layout (pdserve_qv_pack; N % 16 == 0): groups of 16 output rows g, then blocks of 32 k, 320
  * bytes each:
@@ -210,27 +210,46 @@ ALWAYS void limb_sums(const __m512i u[8], const XQ *x, __m512i out[3]) {
 #endif
 
 /* out[16 c + r] = x row c . dequant(row 16 g + r) for c < mr, r < 16: the group's kb blocks
- * from p, x's XQ rows kb apart. A block adds d * s * S + m * (sum of x) to each row's sum. */
-ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
+ * of format qt from p, x's XQ rows kb apart. A Q4_1 block adds d * s * S + m * (sum of x) to
+ * each row's sum. Q8_0 (AVX-512 VNNI only): the int8 quants read as unsigned q + 128 (one xor),
+ * each limb's sums over a block (|A| < 32 * 255 * 128, exact in int32 and in fp32) combined in
+ * fp32 and what the 128 added taken off: d * (s * (65536 A + 256 B + C) - 128 s * sum of X). */
+ALWAYS void qv_group(int qt, const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
 #if QV == 512
-    const __m512i lo = _mm512_set1_epi8(15);
+    const int q8 = qt == Q8_0;
+    const int64_t gb = q8 ? QVGB8 : QVGB;
+    const __m512i lo = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[QV_MR];
     for (int c = 0; c < mr; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < kb; b++, p += QVGB) {
-        for (int i = 0; i < QVGB; i += 64)
-            _mm_prefetch((const char *)p + QV_AHEAD * QVGB + i, _MM_HINT_T0);
+    for (int64_t b = 0; b < kb; b++, p += gb) {
+        for (int i = 0; i < gb; i += 64)
+            _mm_prefetch((const char *)p + QV_AHEAD * gb + i, _MM_HINT_T0);
         __m512i u[8];
         for (int c = 0; c < 4; c++) {
+            if (q8) {
+                for (int h = 0; h < 2; h++)
+                    u[2 * c + h] =
+                        _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 128 * c + 64 * h), flip);
+                continue;
+            }
             const __m512i v = _mm512_loadu_si512(p + 64 + 64 * c);
             u[2 * c] = _mm512_and_si512(v, lo);
             u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        const __m512 m = q8 ? _mm512_setzero_ps() /* Q8_0 has no m */
+                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
         for (int c = 0; c < mr; c++) {
             const XQ *x = xq + c * kb + b;
             __m512i s[3];
             limb_sums(u, x, s);
+            if (q8) {
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[2]), _mm512_set1_ps(x->s));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(x->s1), t);
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(x->s2), t);
+                acc[c] = _mm512_fmadd_ps(_mm512_sub_ps(t, _mm512_set1_ps(x->corr)), d, acc[c]);
+                continue;
+            }
             __m512i t = _mm512_add_epi32(_mm512_slli_epi32(s[0], 8), s[1]);
             t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), s[2]);
             const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x->s));
@@ -238,7 +257,8 @@ ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *
         }
     }
     for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
-#else /* QV == 256: the group's rows 0-7 and 8-15 as two halves of each run */
+#else /* QV == 256 (Q4_1 only): the group's rows 0-7 and 8-15 as two halves of each run */
+    (void)qt;
     const __m256i lo = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[QV_MR][2];
     for (int c = 0; c < mr; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
@@ -277,34 +297,18 @@ ALWAYS void qv_group(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *
 #endif
 }
 
-#if QV == 512
-/* qv_group for Q8_0: the int8 quants read as unsigned q + 128 (one xor), each limb's sums over a
- * block (|A| < 32 * 255 * 128, exact in int32 and in fp32) combined in fp32 and what the 128
- * added taken off: a block adds d * (s * (65536 A + 256 B + C) - 128 s * sum of X). */
-ALWAYS void qv_group8(const uint8_t *p, int64_t kb, const XQ *xq, int mr, float *out) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[QV_MR];
-    for (int c = 0; c < mr; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < kb; b++, p += QVGB8) {
-        for (int i = 0; i < QVGB8; i += 64)
-            _mm_prefetch((const char *)p + QV_AHEAD * QVGB8 + i, _MM_HINT_T0);
-        __m512i u[8];
-        for (int q = 0; q < 8; q++)
-            u[q] = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * q), flip);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        for (int c = 0; c < mr; c++) {
-            const XQ *x = xq + c * kb + b;
-            __m512i s[3];
-            limb_sums(u, x, s);
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[2]), _mm512_set1_ps(x->s));
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(x->s1), t);
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(x->s2), t);
-            acc[c] = _mm512_fmadd_ps(_mm512_sub_ps(t, _mm512_set1_ps(x->corr)), d, acc[c]);
-        }
-    }
-    for (int c = 0; c < mr; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
-}
 #endif
+
+#if QV
+/* qv_group for mr rows of x, each (qt, mr) its own compiled loop. */
+ALWAYS void qv_pass(int qt, const uint8_t *p, int64_t kb, const XQ *xc, int mr, float *out) {
+    switch (mr) {
+    case 4: qv_group(qt, p, kb, xc, 4, out); break;
+    case 3: qv_group(qt, p, kb, xc, 3, out); break;
+    case 2: qv_group(qt, p, kb, xc, 2, out); break;
+    default: qv_group(qt, p, kb, xc, 1, out); break;
+    }
+}
 #endif
 
 /*
@@ -329,22 +333,10 @@ int pdserve_qlinear_v(const float *x, const uint8_t *v, int32_t qt, const float 
             float out[QV_MR * QVG];
             const int mr = M - c0 < QV_MR ? (int)(M - c0) : QV_MR;
             const XQ *xc = xq + c0 * kb;
-#if QV == 512
-            if (qt == Q8_0) {
-                switch (mr) {
-                case 4: qv_group8(p, kb, xc, 4, out); break;
-                case 3: qv_group8(p, kb, xc, 3, out); break;
-                case 2: qv_group8(p, kb, xc, 2, out); break;
-                default: qv_group8(p, kb, xc, 1, out); break;
-                }
-            } else
-#endif
-                switch (mr) {
-                case 4: qv_group(p, kb, xc, 4, out); break;
-                case 3: qv_group(p, kb, xc, 3, out); break;
-                case 2: qv_group(p, kb, xc, 2, out); break;
-                default: qv_group(p, kb, xc, 1, out); break;
-                }
+            if (QV == 512 && qt == Q8_0)
+                qv_pass(Q8_0, p, kb, xc, mr, out);
+            else
+                qv_pass(Q4_1, p, kb, xc, mr, out);
             for (int c = 0; c < mr; c++)
                 for (int r = 0; r < QVG; r++)
                     y[(c0 + c) * N + g * QVG + r] =
