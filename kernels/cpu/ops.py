@@ -73,6 +73,13 @@ def attention_bf16_native() -> bool:
     return lib is not None and bool(lib.pdserve_paged_attention_native())
 
 
+def attention_f32_512() -> bool:
+    """Whether fp32 decode attention (head_dim 64 or 128) runs on the AVX-512 path
+    (decode_512.h: a context in parts, every kv head at once); else the portable one."""
+    lib = _library()
+    return lib is not None and bool(lib.pdserve_paged_attention_f32_512())
+
+
 def native_available() -> bool:
     """Whether the C decode kernel is compiled and loaded (building it if needed)."""
     return _library() is not None

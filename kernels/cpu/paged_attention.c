@@ -24,9 +24,10 @@
  * registers (or two NEON registers), without -ffast-math, so exp keeps its accuracy. The score
  * and PV loops keep eight independent FMA chains in flight; one chain would wait on FMA latency.
  *
- * bf16 pools with head_dim 64 or 128 on CPUs with AVX512-BF16 take their own paths, included
- * below: decode_bf16.h (one task per sequence, bf16 dot products (vdpbf16ps) for scores and
- * P @ V) and prefill_bf16.h.
+ * On AVX-512 CPUs, decode attention over pools with head_dim 64 or 128 takes decode_512.h
+ * (included below: a sequence's context in parts read front to back, every kv head at once,
+ * 16-lane scores and P @ V; bf16 pools there only with AVX512-BF16, as vdpbf16ps dot products),
+ * and bf16 prefill attention on AVX512-BF16 takes prefill_bf16.h; this path is for the rest.
  * On a 2-core Zen 4, 32 sequences x 600 tokens of the default model: 0.48 ms per layer with the
  * KV in cache, 0.76 / 0.93 ms from memory in contiguous / shuffled blocks, against 1.87 ms hot
  * for the widening path above (bench/kernels.py); since then the next span's prefetch was
@@ -285,116 +286,22 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
     }
 }
 
-#if defined(__AVX2__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(__AVX2__) && defined(__AVX512F__)
+#define ATTN_512 1 /* decode attention for fp32 pools (and bf16 ones with ATTN_NATIVE) */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define ATTN_NATIVE 1
-#include "exp512.h"
-#define ATTN_UNROLL _Pragma("GCC unroll 16")
-#include "decode_bf16.h"  /* decode attention: one task per sequence */
-#include "prefill_bf16.h" /* prefill attention */
 #else
 #define ATTN_NATIVE 0
 #endif
-
+#include "exp512.h"
+#define ATTN_UNROLL _Pragma("GCC unroll 16")
+#include "decode_512.h" /* decode attention: parts of a sequence, every kv head */
 #if ATTN_NATIVE
-#define PART_TOKENS 128 /* tokens per part of a sequence (a multiple of SPAN): decode_part_bf16 */
-
-/* A thread's buffer of parts, kept for its next call (OpenMP's threads live on); NULL if out of
- * memory. */
-static float *thread_parts(int64_t floats) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (floats > cap) {
-        float *grown = realloc(buf, (size_t)floats * sizeof *grown);
-        if (!grown) return NULL;
-        buf = grown, cap = floats;
-    }
-    return buf;
-}
-
-static int64_t num_parts(int32_t context_len) { return ((int64_t)context_len + PART_TOKENS - 1) / PART_TOKENS; }
-/* One past the last token of part c of a context of len tokens. */
-static int64_t part_end(int64_t c, int32_t len) { return (c + 1) * PART_TOKENS < len ? (c + 1) * PART_TOKENS : len; }
-
-/*
- * The AVX512-BF16 path: each sequence's context in parts of PART_TOKENS tokens, merged in order
- * (merge_parts_bf16), whoever computes them. With at least 2 sequences per thread a thread takes a
- * whole sequence at a time (claiming the next as it starts one, whose first span its last span
- * prefetches); with fewer (batch 1 on 2 threads) the parts themselves are the tasks, so that every
- * thread works. Returns the (sequence, kv head) tasks refused, or -1 without scratch memory.
- */
-static int decode_native_bf16(const Pool *p, const uint16_t *q, const int32_t *block_tables,
-                              const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
-                              int64_t bt_stride, int64_t q_seq_stride, int64_t q_head_stride,
-                              float scale, int32_t num_threads) {
-    const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim;
-    const int64_t pf = PART_FLOATS(num_heads, hd), seq_out = (int64_t)num_heads * hd;
-    int64_t num_bad = 0;
-    int oom = 0;
-    if (num_seqs >= 2 * (int64_t)num_threads) {
-        int64_t claimed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
-        {
-            int64_t cur, nxt;
-#pragma omp atomic capture
-            cur = claimed++;
-            for (int prefetched = 0; cur < num_seqs; cur = nxt, prefetched = 1) {
-#pragma omp atomic capture
-                nxt = claimed++;
-                const int has_next = nxt < num_seqs;
-                const int32_t *blocks = block_tables + cur * bt_stride, len = context_lens[cur];
-                int bad = seq_bad(p, blocks, len);
-                const int64_t n = bad ? 0 : num_parts(len);
-                float *parts = thread_parts(n * pf);
-                if (!parts && n) {
-#pragma omp atomic write
-                    oom = 1;
-                    bad = 1;
-                }
-                for (int64_t c = 0; !bad && c < n; c++) {
-                    const int64_t t1 = part_end(c, len);
-                    const int more = c + 1 < n;
-                    decode_part_bf16(p, q + cur * q_seq_stride, q_head_stride, blocks,
-                                     c * PART_TOKENS, t1, scale, parts + c * pf, c > 0 || prefetched,
-                                     more ? blocks : has_next ? block_tables + nxt * bt_stride : NULL,
-                                     more ? t1 : 0, more ? len : has_next ? context_lens[nxt] : 0);
-                }
-                merge_parts_bf16(parts, bad ? 0 : n, num_heads, hd, bad, out + cur * seq_out);
-                num_bad += bad ? p->num_kv_heads : 0;
-            }
-        }
-        return oom ? -1 : (int)num_bad;
-    }
-    int64_t first[num_seqs + 1]; /* a sequence's first part; few sequences here */
-    char bad[num_seqs > 0 ? num_seqs : 1];
-    first[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        bad[s] = (char)seq_bad(p, block_tables + s * bt_stride, context_lens[s]);
-        first[s + 1] = first[s] + (bad[s] ? 0 : num_parts(context_lens[s]));
-    }
-    const int64_t total = first[num_seqs];
-    float *parts = thread_parts(total * pf);
-    if (!parts && total) return -1;
-#pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < total; task++) {
-            int64_t s = 0;
-            while (first[s + 1] <= task) s++;
-            const int64_t c = task - first[s];
-            const int32_t len = context_lens[s];
-            const int64_t t1 = part_end(c, len);
-            decode_part_bf16(p, q + s * q_seq_stride, q_head_stride, block_tables + s * bt_stride,
-                             c * PART_TOKENS, t1, scale, parts + task * pf, 0, NULL, 0, 0);
-        }
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < num_seqs; s++) {
-            merge_parts_bf16(parts + first[s] * pf, first[s + 1] - first[s], num_heads, hd, bad[s],
-                             out + s * seq_out);
-            num_bad += bad[s] ? p->num_kv_heads : 0;
-        }
-    }
-    return (int)num_bad;
-}
+#include "prefill_bf16.h" /* prefill attention */
+#endif
+#else
+#define ATTN_512 0
+#define ATTN_NATIVE 0
 #endif
 
 /*
@@ -415,11 +322,10 @@ int pdserve_paged_decode_attention(
     const int group = pool.group;
     const int elem = is_bf16 ? 2 : 4;
     int64_t num_bad = 0;
-#if ATTN_NATIVE
-    if (is_bf16 && (head_dim == 64 || head_dim == 128))
-        return decode_native_bf16(&pool, (const uint16_t *)q, block_tables, context_lens,
-                                  (uint16_t *)out, num_seqs, bt_stride, q_seq_stride, q_head_stride,
-                                  scale, num_threads);
+#if ATTN_512
+    if ((is_bf16 ? ATTN_NATIVE : 1) && (head_dim == 64 || head_dim == 128))
+        return decode_512(&pool, q, block_tables, context_lens, out, num_seqs, bt_stride,
+                          q_seq_stride, q_head_stride, scale, num_threads);
 #endif
     /* Portable path: a task per SPAN_TOKENS of a sequence (every kv head), so that even one
      * sequence keeps every thread busy; then each (sequence, kv head) merges its spans. */
@@ -483,3 +389,6 @@ int pdserve_paged_decode_attention(
 
 /* 1 if bf16 pools with head_dim 64 or 128 run on the AVX512-BF16 path. */
 int pdserve_paged_attention_native(void) { return ATTN_NATIVE; }
+
+/* 1 if fp32 pools with head_dim 64 or 128 run on the AVX-512 path (decode_512.h). */
+int pdserve_paged_attention_f32_512(void) { return ATTN_512; }

@@ -1,7 +1,7 @@
 /*
  * Prefill attention on AVX512-BF16: part of paged_attention.c, which includes this file inside its
- * AVX512-BF16 section after decode_bf16.h (it uses paged_attention.c's Pool and row_index,
- * decode_bf16.h's TOK, exp512.h's exp2_16, and ATTN_UNROLL); kept apart only to keep each file
+ * AVX512-BF16 section after decode_512.h (it uses paged_attention.c's Pool and row_index,
+ * decode_512.h's TOK, exp512.h's exp2_16, and ATTN_UNROLL); kept apart only to keep each file
  * readable.
  */
 #ifndef PDSERVE_PREFILL_BF16_H

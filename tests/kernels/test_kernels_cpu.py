@@ -17,10 +17,26 @@ from pdserve import kernels
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
+def avx512_attention(dtype: torch.dtype) -> bool:
+    """Whether decode attention over ``dtype`` pools takes decode_512.h here."""
+    return ops.attention_bf16_native() if dtype == torch.bfloat16 else ops.attention_f32_512()
+
+
 def decode_args(paged_case, dtype=torch.float32):
     case = paged_case([5, 40], 3, 64, 16, dtype)
     q = torch.randn(2, 9, 64).to(dtype)
     return case, (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+
+
+@pytest.fixture
+def portable_attention(tmp_path, monkeypatch):
+    """ops' attention library built without AVX-512 (its portable paths), in place of the
+    machine's own for the test."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=("-mno-avx512f",)))
+    assert not lib.pdserve_paged_attention_f32_512()
+    monkeypatch.setattr(ops, "_library", lambda: lib)
+    return lib
 
 
 @needs_compiler
@@ -129,20 +145,22 @@ def test_backends_share_the_reference_signatures(name):
     ids=lambda h: "q{}-kv{}-d{}".format(*h),
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
-def test_native_bf16_decode_attention(heads, block_size, paged_case, dense, close):
-    """The AVX512-BF16 path: 16-token tiles that span blocks (block_size < 16) or split them,
-    query-head groups that fill 1 to 4 chunks of registers, head_dim 64 and 128. Pool rows past
-    every sequence hold NaN: the lanes of a tile's last, partial part must not read them."""
-    if not ops.native_available() or not ops.attention_bf16_native():
-        pytest.skip("no AVX512-BF16 here: bf16 decode attention takes the widening path")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_avx512_decode_attention(heads, block_size, dtype, paged_case, dense, close):
+    """The AVX-512 path (decode_512.h; bf16 pools on AVX512-BF16 only): 16-token tiles that span
+    blocks (block_size < 16) or split them, query-head groups that fill 1 to 4 chunks of
+    registers, head_dim 64 and 128. Pool rows past every sequence hold NaN: the lanes of a
+    tile's last, partial part must not read them."""
+    if not ops.native_available() or not avx512_attention(dtype):
+        pytest.skip(f"{dtype} decode attention takes the portable path here")
     num_heads, num_kv_heads, head_dim = heads
     lens = [1, 15, 16, 17, 40, 100]
-    case = paged_case(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=block_size)
-    q = torch.randn(len(lens), num_heads, head_dim).to(torch.bfloat16)
+    case = paged_case(lens, num_kv_heads, head_dim, block_size, dtype, seed=block_size)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale)
     out = ops.paged_decode_attention(*args)
-    close(out, dense(q, case.seq_k, case.seq_v, [1] * len(lens), scale), torch.bfloat16)
+    close(out, dense(q, case.seq_k, case.seq_v, [1] * len(lens), scale), dtype)
 
 
 @needs_compiler
@@ -273,12 +291,13 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_long_contexts_split_in_spans_merge_exactly(dtype, block_size, paged_case, dense, close):
-    """The portable path splits a context into spans of 256 tokens run in parallel and merges
-    them: right on both sides of a span's edge and over many spans; a sequence's result does not
-    depend on the batch it runs in nor on the thread count (spans are fixed, not sized to fit)."""
-    if dtype == torch.bfloat16 and ops.attention_bf16_native():
-        pytest.skip("bf16 decode attention takes the AVX512-BF16 path here")
+def test_long_contexts_split_in_spans_merge_exactly(
+    dtype, block_size, portable_attention, paged_case, dense, close
+):
+    """The portable path (built here without AVX-512, as an AVX2 machine runs it) splits a
+    context into spans of 256 tokens run in parallel and merges them: right on both sides of a
+    span's edge and over many spans; a sequence's result does not depend on the batch it runs in
+    nor on the thread count (spans are fixed, not sized to fit)."""
     lens = [255, 256, 257, 600, 1030]
     case = paged_case(lens, 3, 64, block_size, dtype)
     q = torch.randn(len(lens), 9, 64).to(dtype)
@@ -309,19 +328,20 @@ def test_long_contexts_split_in_spans_merge_exactly(dtype, block_size, paged_cas
     "heads", [(9, 3, 64), (16, 2, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
 )
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_native_bf16_parts_merge_the_same_for_any_batch_and_threads(
-    heads, block_size, paged_case, dense, close
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
+    heads, block_size, dtype, paged_case, dense, close
 ):
-    """The AVX512-BF16 path splits a context into parts of 128 tokens (computed by one thread a
+    """The AVX-512 path splits a context into parts of 128 tokens (computed by one thread a
     sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
     edge and over many parts; a sequence's result is the same alone on 1 or 2 threads and in a
     batch (the parts are fixed, not sized to the threads)."""
-    if not ops.native_available() or not ops.attention_bf16_native():
-        pytest.skip("no AVX512-BF16 here: bf16 decode attention takes the widening path")
+    if not ops.native_available() or not avx512_attention(dtype):
+        pytest.skip(f"{dtype} decode attention takes the portable path here")
     num_heads, num_kv_heads, head_dim = heads
     lens = [127, 128, 129, 600, 1030]
-    case = paged_case(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=3)
-    q = torch.randn(len(lens), num_heads, head_dim).to(torch.bfloat16)
+    case = paged_case(lens, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     threads = torch.get_num_threads()
 
@@ -339,7 +359,7 @@ def test_native_bf16_parts_merge_the_same_for_any_batch_and_threads(
         single = [alone(i) for i in range(len(lens))]
     finally:
         torch.set_num_threads(threads)
-    close(batched, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 0.125), torch.bfloat16)
+    close(batched, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 0.125), dtype)
     assert torch.equal(batched, torch.cat(split))
     assert torch.equal(batched, torch.cat(single))
 
