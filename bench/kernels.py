@@ -288,7 +288,8 @@ def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | Non
                         fn = libs["this"].pdserve_qlinear_v
                         start = time.perf_counter()
                         for (x, _, _, y, n, k), v, w in zip(calls, copies, weights, strict=True):
-                            fn(x, v.data_ptr(), w.qtype, None, y, m, n, k, threads)
+                            if fn(x, v.data_ptr(), w.qtype, None, y, m, n, k, threads):
+                                raise RuntimeError(f"pdserve_qlinear_v refused {w.qtype} {n}x{k}")
                         times["integer"].append((time.perf_counter() - start) * 1e3)
                 ms = {name: statistics.median(t[1:]) for name, t in times.items()}
                 line = f"  quant {fmt} {isa:6s} M={m:<2d} this {ms['this']:6.2f} ms "

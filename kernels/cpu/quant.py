@@ -230,13 +230,13 @@ def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Te
     lib = lib or library()
     if w.qtype not in (Q4_1, Q8_0) or not _has_integer_path(lib):
         return None
+    n, k = w.shape
+    size = lib.pdserve_qv_bytes(n, k, w.qtype)  # asked first: the copy may be another build's
+    if size < 0:
+        return None
     entry = _integer.get(id(w))
     if entry is not None and entry[0]() is w:
         return entry[1]
-    n, k = w.shape
-    size = lib.pdserve_qv_bytes(n, k, w.qtype)
-    if size < 0:
-        return None
     v = torch.empty(size, dtype=torch.uint8)
     lib.pdserve_qv_pack(w.data.data_ptr(), n, k, w.qtype, v.data_ptr(), torch.get_num_threads())
     key = id(w)

@@ -166,6 +166,9 @@ def test_taken_only_where_it_applies(monkeypatch):
     ):
         assert quant.integer_copy(other) is None  # N % 16, the format
     assert quant.integer_copy(q41, lib=quant.library("portable")) is None
+    q80 = Q.quantize(make_weight(32, k, 8), "q8_0")
+    if quant.integer_copy(q80) is not None:  # AVX-512 VNNI: not a layout the AVX2 build has
+        assert quant.integer_copy(q80, lib=quant.library("avx2")) is None
 
     def direct(x, w, integer):
         m, n = x.shape[0], w.shape[0]
