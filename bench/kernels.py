@@ -4,7 +4,7 @@ attention: decode attention for 32 sequences x 600 tokens, 9 heads / 3 kv heads 
 (the default model's layer), blocks of 16 in shuffled order: reference vs the C kernel vs a
 "gather then bmm" baseline, ms per layer and GB/s of K/V read (one layer's K/V, which stays in
 the L3); then the C kernel over 30 layers' pools, each read once per pass (from memory, as in a
-decode step). Then prefill attention and the KV
+decode step; bf16 and fp32 at 32 sequences, fp32 at batch 1). Then prefill attention and the KV
 write/transfer ops (sections prefill, copies).
 
 linear: every projection of the default model (30 layers of qkv, o, gate_up, down, and the
@@ -113,10 +113,12 @@ def bench_decode(dtype: torch.dtype, repeats: int) -> None:
         )
 
 
-def bench_decode_cold(dtype: torch.dtype, repeats: int, layers: int = 30) -> None:
-    """The C decode kernel as a decode step meets it: 30 layers' pools (~440 MB in bf16), each
-    layer's K/V read once per pass, so it comes from memory, not from the L3."""
-    num_seqs, context_len, num_heads, num_kv_heads, head_dim = 32, 576, 9, 3, 64
+def bench_decode_cold(
+    dtype: torch.dtype, repeats: int, num_seqs: int = 32, layers: int = 30
+) -> None:
+    """The C decode kernel as a decode step meets it: 30 layers' pools (~440 MB in bf16 at 32
+    sequences), each layer's K/V read once per pass, so it comes from memory, not from the L3."""
+    context_len, num_heads, num_kv_heads, head_dim = 576, 9, 3, 64
     pools = [make_pool(num_seqs, context_len, num_kv_heads, head_dim, dtype) for _ in range(layers)]
     block_tables = pools[0][2]  # one table for every layer, as in the engine
     q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
@@ -132,7 +134,8 @@ def bench_decode_cold(dtype: torch.dtype, repeats: int, layers: int = 30) -> Non
     ms = median_ms(step, max(3, repeats // 10)) / layers
     print(
         f"  decode {str(dtype)[6:]:8s} {'C, from memory':14s} {ms:8.3f} ms/layer "
-        f"{kv_bytes / ms / 1e6:7.1f} GB/s of KV   ({layers} layers' pools, 32 x {context_len} tokens)"
+        f"{kv_bytes / ms / 1e6:7.1f} GB/s of KV   ({layers} layers' pools, {num_seqs} x "
+        f"{context_len} tokens)"
     )
 
 
@@ -328,8 +331,9 @@ def main() -> None:
     dtypes = (torch.float32, torch.bfloat16)
     for dtype in dtypes if "attention" in sections else ():
         bench_decode(dtype, args.repeats)
-    if "attention" in sections:
-        bench_decode_cold(torch.bfloat16, args.repeats)
+    if "attention" in sections:  # bf16 where it is the default, fp32 elsewhere; and batch 1
+        for dtype, num_seqs in ((torch.bfloat16, 32), (torch.float32, 32), (torch.float32, 1)):
+            bench_decode_cold(dtype, args.repeats, num_seqs)
     for dtype in dtypes if "prefill" in sections else ():
         bench_prefill(dtype, args.repeats)
     for dtype in dtypes if "copies" in sections else ():
