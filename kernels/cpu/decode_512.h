@@ -433,6 +433,13 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
     }
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+#define TEAM_SIZE() omp_get_num_threads()
+#else
+#define TEAM_SIZE() 1
+#endif
+
 #define PART_TOKENS 128 /* tokens per part of a sequence (a multiple of SPAN) */
 
 /* A thread's buffer of parts, kept for its next call (OpenMP's threads live on); NULL if out of
@@ -456,7 +463,10 @@ static int64_t part_end(int64_t c, int32_t len) { return (c + 1) * PART_TOKENS <
  * Each sequence's context in parts of PART_TOKENS tokens, merged in order (merge_parts), whoever
  * computes them. With at least 2 sequences per thread a thread takes a whole sequence at a time
  * (claiming the next as it starts one, whose first span its last span prefetches); with fewer
- * (batch 1 on 2 threads) the parts themselves are the tasks, so that every thread works. q and
+ * (batch 1 on 2 threads) the parts themselves are the tasks, so that every thread works, dealt
+ * round robin so that a thread knows its next part and prefetches it the same way (fp32, batch 1,
+ * 576-1,024 tokens, the Xeon without AVX512-BF16: 0.93-0.98x the time of taking them as they
+ * came, `schedule(dynamic)`, whose first spans were read cold). q and
  * out: the pool's dtype. Returns the (sequence, kv head) tasks refused, or -1 without scratch
  * memory.
  */
@@ -517,15 +527,25 @@ static int decode_512(const Pool *p, const void *q, const int32_t *block_tables,
     if (!parts && total) return -1;
 #pragma omp parallel num_threads(num_threads) reduction(+ : num_bad)
     {
-#pragma omp for schedule(dynamic, 1)
+        const int64_t team = TEAM_SIZE();
+#pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < total; task++) {
             int64_t s = 0;
             while (first[s + 1] <= task) s++;
             const int64_t c = task - first[s];
             const int32_t len = context_lens[s];
             const int64_t t1 = part_end(c, len);
+            /* static, 1: this thread's next part is task + team; its first span is prefetched
+             * while this part's last one runs, as a thread's next sequence is above */
+            const int64_t next = task + team;
+            int64_t s2 = s;
+            while (next < total && first[s2 + 1] <= next) s2++;
+            const int has_next = next < total;
             decode_part(p, qb + s * q_seq, q_head_stride, block_tables + s * bt_stride,
-                        c * PART_TOKENS, t1, scale, parts + task * pf, 0, NULL, 0, 0);
+                        c * PART_TOKENS, t1, scale, parts + task * pf, task >= team,
+                        has_next ? block_tables + s2 * bt_stride : NULL,
+                        has_next ? (next - first[s2]) * PART_TOKENS : 0,
+                        has_next ? context_lens[s2] : 0);
         }
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < num_seqs; s++) {

@@ -355,6 +355,10 @@ def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
         torch.set_num_threads(2)
         batched = ops.paged_decode_attention(*args)  # a sequence per thread at a time
         split = [alone(i) for i in range(len(lens))]  # its parts on both threads
+        rows = slice(2, 5)  # three sequences: all their parts dealt to both threads
+        few = ops.paged_decode_attention(
+            q[rows], *args[1:3], case.block_tables[rows], case.context_lens[rows], 0.125
+        )
         torch.set_num_threads(1)
         single = [alone(i) for i in range(len(lens))]
     finally:
@@ -362,6 +366,7 @@ def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
     close(batched, dense(q, case.seq_k, case.seq_v, [1] * len(lens), 0.125), dtype)
     assert torch.equal(batched, torch.cat(split))
     assert torch.equal(batched, torch.cat(single))
+    assert torch.equal(batched[2:5], few)
 
 
 @needs_compiler
