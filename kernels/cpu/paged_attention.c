@@ -295,7 +295,8 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #endif
 #include "exp512.h"
 #define ATTN_UNROLL _Pragma("GCC unroll 16")
-#include "decode_512.h" /* decode attention: parts of a sequence, every kv head */
+#include "decode_512.h"   /* decode attention's tiles: scores, softmax, P @ V */
+#include "decode_parts.h" /* and its walk: parts of a sequence, every kv head, the threads */
 #if ATTN_NATIVE
 #include "prefill_bf16.h" /* prefill attention */
 #endif
