@@ -288,7 +288,15 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 
 #if defined(__AVX2__) && defined(__AVX512F__)
 #define ATTN_512 1 /* decode attention for fp32 pools (and bf16 ones with ATTN_NATIVE) */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(PDSERVE_EMULATE_AVX512BF16) && !defined(__AVX512BF16__) /* tests only */
+#include "bf16_emulated.h"
+#define ATTN_BF16 1
+#elif defined(__AVX512BF16__)
+#define ATTN_BF16 1
+#else
+#define ATTN_BF16 0
+#endif
+#if ATTN_BF16 && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define ATTN_NATIVE 1
 #else
 #define ATTN_NATIVE 0

@@ -28,6 +28,27 @@ def decode_args(paged_case, dtype=torch.float32):
     return case, (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
 
 
+@pytest.fixture(params=["machine", "emulated"])
+def bf16_instructions(request, tmp_path, monkeypatch):
+    """The bf16 tests run twice: on this machine's own library (AVX512-BF16 where it has it), and,
+    where it lacks AVX512-BF16 but has AVX-512, on a library built with those two instructions
+    written in AVX-512F (kernels/cpu/bf16_emulated.h, a stand-in for tests only), so that the bf16
+    paths' logic is checked on every AVX-512 machine. fp32 cases take the machine's library."""
+    if request.param == "machine":
+        return "machine"
+    if request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip("fp32: the machine's library covers it")
+    if ops.attention_bf16_native():
+        pytest.skip("this machine runs the real AVX512-BF16 instructions (the 'machine' case)")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    flags = ("-DPDSERVE_EMULATE_AVX512BF16",)
+    lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=flags))
+    if not lib.pdserve_paged_attention_native():
+        pytest.skip("no AVX-512 (BW, VL, DQ) here to stand in for AVX512-BF16")
+    monkeypatch.setattr(ops, "_library", lambda: lib)
+    return "emulated"
+
+
 @pytest.fixture
 def portable_attention(tmp_path, monkeypatch):
     """ops' attention library built without AVX-512 (its portable paths), in place of the
@@ -146,7 +167,9 @@ def test_backends_share_the_reference_signatures(name):
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_avx512_decode_attention(heads, block_size, dtype, paged_case, dense, close):
+def test_avx512_decode_attention(
+    bf16_instructions, heads, block_size, dtype, paged_case, dense, close
+):
     """The AVX-512 path (decode_512.h; bf16 pools on AVX512-BF16 only): 16-token tiles that span
     blocks (block_size < 16) or split them, query-head groups that fill 1 to 4 chunks of
     registers, head_dim 64 and 128. Pool rows past every sequence hold NaN: the lanes of a
@@ -170,7 +193,9 @@ def test_avx512_decode_attention(heads, block_size, dtype, paged_case, dense, cl
     ids=lambda h: "q{}-kv{}-d{}".format(*h),
 )
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, close):
+def test_native_bf16_prefill_attention(
+    bf16_instructions, heads, block_size, paged_case, dense, close
+):
     """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), tiles
     crossing the causal diagonal, more keys than one 512-key softmax chunk (the rescale between
     chunks), cached prefixes of any length, a query strided as the fused qkv projection leaves it."""
@@ -218,7 +243,7 @@ def test_native_bf16_prefill_attention(heads, block_size, paged_case, dense, clo
 
 
 @needs_compiler
-def test_native_prefill_rejects_bad_context(paged_case):
+def test_native_prefill_rejects_bad_context(bf16_instructions, paged_case):
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here")
     case = paged_case([20], 3, 64, 16, torch.bfloat16)
@@ -330,7 +355,7 @@ def test_long_contexts_split_in_spans_merge_exactly(
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
-    heads, block_size, dtype, paged_case, dense, close
+    bf16_instructions, heads, block_size, dtype, paged_case, dense, close
 ):
     """The AVX-512 path splits a context into parts of 128 tokens (computed by one thread a
     sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
