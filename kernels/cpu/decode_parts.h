@@ -206,7 +206,7 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
     const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim;
     const int64_t stride = PART_FLOATS(num_heads, hd);
     for (int h = 0; h < num_heads; h++) {
-        float sum[hd], o[hd], l = 0.0f;
+        float sum[hd], l = 0.0f;
         const float *one = parts + 2 * num_heads + (int64_t)h * hd;
         if (nparts < 1) {
             memset(sum, 0, sizeof sum);
@@ -230,6 +230,7 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
         const __m512 inv = _mm512_set1_ps((!bad && nparts > 0 && l > 0.0f) ? 1.0f / l : 0.0f);
 #if ATTN_NATIVE
         if (p->bf16) {
+            float o[hd];
             unpermute(sum, o, hd);
             for (int d = 0; d < hd; d += 16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)out + h * hd + d),
@@ -237,7 +238,6 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
             continue;
         }
 #endif
-        (void)o;
         for (int d = 0; d < hd; d += 16)
             _mm512_storeu_ps((float *)out + h * hd + d, _mm512_mul_ps(inv, _mm512_loadu_ps(sum + d)));
     }

@@ -212,13 +212,16 @@ def descriptor(w: QuantizedWeight) -> QDesc:
     return QDesc(w.data.data_ptr(), _scale_ptr(w), w.qtype, None if v is None else v.data_ptr())
 
 
-# id(weight) -> (a weak reference to it, its copy in quant_int.h's layout)
-_integer: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+# id(weight) -> (a weak reference to it, the width of the build it was made for, its copy in
+# quant_int.h's layout)
+_integer: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 @functools.cache
-def _has_integer_path(lib: ctypes.CDLL) -> bool:
-    return envs.quant_integer() and bool(lib.pdserve_qv_available())
+def _integer_width(lib: ctypes.CDLL) -> int:
+    """The build's integer path (512: AVX-512 VNNI, 256: AVX2), 0 without one or when
+    ``PDSERVE_QUANT_INTEGER=0``."""
+    return int(lib.pdserve_qv_available()) if envs.quant_integer() else 0
 
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
@@ -228,17 +231,18 @@ def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Te
     the CPU, ``PDSERVE_QUANT_INTEGER=0``) or N % 16 != 0. The blocks stay too: more rows
     (prefill) and the embedding lookup dequantize them."""
     lib = lib or library()
-    if w.qtype not in (Q4_1, Q8_0) or not _has_integer_path(lib):
-        return None
-    n, k = w.shape
-    size = lib.pdserve_qv_bytes(n, k, w.qtype)  # asked first: the copy may be another build's
-    if size < 0:
+    width = _integer_width(lib)
+    if w.qtype not in (Q4_1, Q8_0) or not width:
         return None
     entry = _integer.get(id(w))
-    if entry is not None and entry[0]() is w:
-        return entry[1]
+    if entry is not None and entry[0]() is w and entry[1] == width:  # not another build's
+        return entry[2]
+    n, k = w.shape
+    size = lib.pdserve_qv_bytes(n, k, w.qtype)
+    if size < 0:
+        return None
     v = torch.empty(size, dtype=torch.uint8)
     lib.pdserve_qv_pack(w.data.data_ptr(), n, k, w.qtype, v.data_ptr(), torch.get_num_threads())
     key = id(w)
-    _integer[key] = (weakref.ref(w, lambda _, key=key: _integer.pop(key, None)), v)
+    _integer[key] = (weakref.ref(w, lambda _, key=key: _integer.pop(key, None)), width, v)
     return v
