@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve import envs
+
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -19,7 +21,10 @@ DTYPES = {
 
 
 def cpu_has_native_bf16() -> bool:
-    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and the kernels are
+    built to use it (``PDSERVE_CPU_ISA`` native); elsewhere bf16 is emulated."""
+    if envs.cpu_isa() != "native":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

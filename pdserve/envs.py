@@ -39,10 +39,25 @@ def decode_splits() -> int | None:
     return int(value) if value else None
 
 
+CPU_ISAS = ("native", "avx2", "portable")
+
+
+def cpu_isa() -> str:
+    """The instruction set every C kernel is built for (PDSERVE_CPU_ISA): "native" (default:
+    everything this CPU has), "avx2" (no AVX-512, as on an AVX2 + FMA machine; bf16 then counts as
+    emulated) or "portable" (no AVX). Lets an AVX-512 machine run and test the paths an AVX2
+    machine takes; for a faithful run also set torch's ATEN_CPU_CAPABILITY=avx2."""
+    isa = os.environ.get("PDSERVE_CPU_ISA") or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"PDSERVE_CPU_ISA={isa!r}; use one of {', '.join(CPU_ISAS)}")
+    return isa
+
+
 def quant_isa() -> str:
     """Which build of the quantized-weight kernels the CPU backend uses (PDSERVE_QUANT_ISA):
-    "native" (default: AVX-512 where the CPU has it, else AVX2), "avx2" or "portable"."""
-    return os.environ.get("PDSERVE_QUANT_ISA") or "native"
+    "native" (AVX-512 where the CPU has it, else AVX2), "avx2" or "portable"; default: the
+    PDSERVE_CPU_ISA one (a build is never wider than PDSERVE_CPU_ISA allows)."""
+    return os.environ.get("PDSERVE_QUANT_ISA") or cpu_isa()
 
 
 def quant_integer() -> bool:

@@ -21,6 +21,9 @@ from pathlib import Path
 from pdserve import envs
 
 _BASE_FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+# What each PDSERVE_CPU_ISA takes away from -march=native (envs.cpu_isa): every library is built
+# with it, so an AVX-512 machine runs the code an AVX2 (or a plain x86-64) machine runs.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx",)}
 # Tried in order: with OpenMP, then (e.g. Apple clang) single-threaded but still in place.
 FLAG_SETS = (_BASE_FLAGS + ("-fopenmp",), _BASE_FLAGS)
 
@@ -89,11 +92,12 @@ def load_library(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     """Load ``source`` compiled for this machine, compiling it first if it is not cached.
 
     ``extra_flags`` go after the standard ones (and into the cache key), e.g. ``-U__AVX2__``
-    to build a kernel's portable path.
+    to build a kernel's portable path; ``PDSERVE_CPU_ISA``'s flags (``ISA_FLAGS``) go last.
     """
     compiler = _compiler()
     reasons = []
-    for flags in (f + tuple(extra_flags) for f in FLAG_SETS):
+    tail = tuple(extra_flags) + tuple(f for f in ISA_FLAGS[envs.cpu_isa()] if f not in extra_flags)
+    for flags in (f + tail for f in FLAG_SETS):
         try:
             target = _library_path(source, compiler, flags)
             if not target.exists():

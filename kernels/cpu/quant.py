@@ -9,7 +9,7 @@
 
 Three builds of ``quant.c``, one per instruction set: "native" (AVX-512 where the CPU has it,
 else AVX2), "avx2" (``-mno-avx512f``) and "portable" (``-mno-avx``); ``PDSERVE_QUANT_ISA``
-picks the one the backend uses (tests build each).
+picks the one the backend uses (tests build each), none wider than ``PDSERVE_CPU_ISA`` allows.
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ import weakref
 from pathlib import Path
 
 import torch
+from pdserve.kernels.cpu import build
 from pdserve.kernels.cpu.build import BuildError, load_library
 from pdserve.kernels.quantized import QTYPES, QuantizedWeight
 
 from pdserve import envs
 
 _SOURCE = Path(__file__).with_name("quant.c")
-ISA_FLAGS = {
-    "native": ("-ffp-contract=off",),
-    "avx2": ("-ffp-contract=off", "-mno-avx512f"),
-    "portable": ("-ffp-contract=off", "-mno-avx"),
-}
+ISA_FLAGS = {isa: ("-ffp-contract=off", *flags) for isa, flags in build.ISA_FLAGS.items()}
 ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
 # Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
 QLINEAR_MAX_ROWS = 64

@@ -20,6 +20,8 @@ from pdserve.kernels import quantized as Q
 from pdserve.kernels import reference
 from pdserve.kernels.cpu import quant
 
+from pdserve import envs
+
 FORMATS = ["q4_0", "q4_1", "q8_0", "int8"]
 
 
@@ -35,8 +37,9 @@ def _cpu_flags() -> set[str]:
 
 
 FLAGS = _cpu_flags()
-HAS_AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
-HAS_AVX512 = HAS_AVX2 and {"avx512f", "avx512bw"} <= FLAGS
+ISA = envs.cpu_isa()  # PDSERVE_CPU_ISA: no build is wider
+HAS_AVX2 = {"avx2", "fma", "f16c"} <= FLAGS and ISA != "portable"
+HAS_AVX512 = HAS_AVX2 and {"avx512f", "avx512bw"} <= FLAGS and ISA == "native"
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 ISAS = [  # (build, the instruction set it must report)
     pytest.param("portable", "portable", id="portable"),
