@@ -49,6 +49,31 @@ static inline __m512 exp16_nonpos(__m512 x) {
 
 #define TOK 16 /* tokens per tile: one register of scores */
 
+/* The 16-lane tile operations decode_parts.h is written in (decode_256.h: the same on AVX2). */
+typedef __m512 t16;
+#define PV_HEADS(hd) (16 / ((hd) / 16)) /* query heads whose P @ V outputs fit in 16 registers */
+static inline t16 t16_set1(float x) { return _mm512_set1_ps(x); }
+static inline t16 t16_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void t16_store(float *p, t16 v) { _mm512_storeu_ps(p, v); }
+static inline t16 t16_add(t16 a, t16 b) { return _mm512_add_ps(a, b); }
+static inline t16 t16_sub(t16 a, t16 b) { return _mm512_sub_ps(a, b); }
+static inline t16 t16_mul(t16 a, t16 b) { return _mm512_mul_ps(a, b); }
+static inline t16 t16_max(t16 a, t16 b) { return _mm512_max_ps(a, b); }
+static inline t16 t16_fmadd(t16 a, t16 b, t16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float t16_hmax(t16 v) { return _mm512_reduce_max_ps(v); }
+static inline float t16_hsum(t16 v) { return _mm512_reduce_add_ps(v); }
+static inline t16 t16_exp_nonpos(t16 x) { return exp16_nonpos(x); }
+static inline float exp_nonpos(float x) { return _mm512_cvtss_f32(exp16_nonpos(_mm512_set1_ps(x))); }
+/* v's first n lanes; -inf in the rest (a tile's tokens past the part's end) */
+static inline t16 t16_first(t16 v, int n) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << n) - 1), v);
+}
+/* touch_rows' loads: 64 bytes at p or-ed into a sink the compiler must keep */
+typedef __m512i sink64;
+static inline sink64 sink64_zero(void) { return _mm512_setzero_si512(); }
+static inline sink64 touch64(sink64 s, const char *p) { return _mm512_or_si512(s, _mm512_loadu_si512(p)); }
+#define KEEP_SINK(s) __asm__ volatile("" : : "v"(s))
+
 /* scores[t] = scale * q . k[t] for t < TOK (rows[t] valid for every t), one query head: bf16
  * rows and query. */
 #if ATTN_NATIVE
@@ -72,7 +97,7 @@ static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q,
 #endif
 
 /* The same for fp32 rows and query: 16-lane FMAs over head_dim. */
-static inline __attribute__((always_inline)) __m512 qk16_f32(const float *q, const void *const rows[TOK],
+static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
                                                              int hd, float scale) {
     __m512 a[16], qv[8];
     ATTN_UNROLL for (int c = 0; c < 8; c++) qv[c] = c < hd / 16 ? _mm512_loadu_ps(q + 16 * c) : _mm512_setzero_ps();

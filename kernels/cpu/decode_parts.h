@@ -1,8 +1,8 @@
 /*
- * Decode attention on AVX-512, the part that walks a sequence: its context in parts, the parts'
- * spans and prefetches, their merge and the threads' work. Included by paged_attention.c after
- * decode_512.h (its tiles: qk16, exp16, P @ V), in the same AVX-512 section; kept apart only to
- * keep each file readable.
+ * Decode attention on AVX-512 and AVX2, the part that walks a sequence: its context in parts, the
+ * parts' spans and prefetches, their merge and the threads' work. Included by paged_attention.c
+ * after the tiles of its instruction set (decode_512.h, or decode_256.h for fp32 pools on AVX2:
+ * t16 scores, qk16, P @ V), in the same section; written in those headers' t16 operations.
  */
 #ifndef PDSERVE_DECODE_PARTS_H
 #define PDSERVE_DECODE_PARTS_H
@@ -32,16 +32,13 @@ static inline int span_rows(const Pool *p, const int32_t *blocks, int64_t t0, in
  * element offsets; a row is row_bytes long. */
 static inline void touch_rows(const Pool *p, const int64_t *rows, int n, int row_bytes) {
     const int elem = p->bf16 ? 2 : 4;
-    __m512i sink = _mm512_setzero_si512();
+    sink64 sink = sink64_zero();
     for (int t = 0; t < n; t++) {
         const char *k = (const char *)p->k_cache + rows[t] * elem;
         const char *v = (const char *)p->v_cache + rows[t] * elem;
-        for (int i = 0; i < row_bytes; i += 64) {
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512(k + i));
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512(v + i));
-        }
+        for (int i = 0; i < row_bytes; i += 64) sink = touch64(touch64(sink, k + i), v + i);
     }
-    __asm__ volatile("" : : "v"(sink)); /* keep the loads */
+    KEEP_SINK(sink); /* keep the loads */
 }
 
 /* Prefetch (into L2) the K and V rows of tokens t0 .. t1-1 (up to context_len), a run of one
@@ -100,7 +97,7 @@ static inline __attribute__((always_inline)) void decode_part_hd(
     int64_t next_t0, int32_t next_len, const int hd) {
     const int group = p->group, num_kv_heads = p->num_kv_heads;
     const int num_heads = group * num_kv_heads, row = num_kv_heads * hd, elem = p->bf16 ? 2 : 4;
-    const int chunk = 16 / (hd / 16); /* query heads whose outputs fit in 16 registers */
+    const int chunk = PV_HEADS(hd); /* query heads whose outputs stay in registers */
     const char *k_cache = p->k_cache, *v_cache = p->v_cache;
     float *m = part, *l = part + num_heads, *acc = part + 2 * num_heads;
     float probs[p->bf16 ? 1 : num_heads][SPAN];         /* a span's probabilities (fp32) */
@@ -127,8 +124,8 @@ static inline __attribute__((always_inline)) void decode_part_hd(
             }
             for (int h = g * group; h < (g + 1) * group; h++) {
                 const char *qh = (const char *)q + h * q_head_stride * elem;
-                __m512 s[SPAN / TOK];
-                __m512 mx = _mm512_set1_ps(m[h]);
+                t16 s[SPAN / TOK];
+                t16 mx = t16_set1(m[h]);
                 for (int j = 0; j < tiles; j++) {
                     const int pt = h * (SPAN / TOK) + j;
                     if (pf_blocks && next < pf_len)
@@ -141,35 +138,32 @@ static inline __attribute__((always_inline)) void decode_part_hd(
 #endif
                         s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale);
                     const int left = n - j * TOK;
-                    if (left < TOK)
-                        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
-                                                  (__mmask16)((1u << left) - 1), s[j]);
-                    mx = _mm512_max_ps(mx, s[j]);
+                    if (left < TOK) s[j] = t16_first(s[j], left);
+                    mx = t16_max(mx, s[j]);
                 }
-                const float m_new = _mm512_reduce_max_ps(mx);
-                const __m512 mv = _mm512_set1_ps(m_new);
+                const float m_new = t16_hmax(mx);
+                const t16 mv = t16_set1(m_new);
                 /* exp(m - m_new): 0 on the first span (m = -inf), 1 while the max holds */
-                const float alpha = _mm512_cvtss_f32(exp16_nonpos(_mm512_sub_ps(_mm512_set1_ps(m[h]), mv)));
-                __m512 sum = _mm512_setzero_ps();
+                const float alpha = exp_nonpos(m[h] - m_new);
+                t16 sum = t16_set1(0.0f);
                 for (int j = 0; j < tiles; j++) {
-                    const __m512 e = exp16_nonpos(_mm512_sub_ps(s[j], mv));
-                    sum = _mm512_add_ps(sum, e);
+                    const t16 e = t16_exp_nonpos(t16_sub(s[j], mv));
+                    sum = t16_add(sum, e);
 #if ATTN_NATIVE
                     if (p->bf16)
                         _mm256_storeu_si256((__m256i *)(pairs[h] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
                     else
 #endif
-                        _mm512_storeu_ps(probs[h] + TOK * j, e);
+                        t16_store(probs[h] + TOK * j, e);
                 }
                 if (p->bf16 && tiles * TOK < SPAN) /* the pair of an odd n's last token: (p, 0) */
                     memset(pairs[h] + 8 * tiles, 0, sizeof(uint32_t) * (SPAN / 2 - 8 * tiles));
-                l[h] = l[h] * alpha + _mm512_reduce_add_ps(sum);
+                l[h] = l[h] * alpha + t16_hsum(sum);
                 m[h] = m_new;
                 if (alpha != 1.0f) {
-                    const __m512 a = _mm512_set1_ps(alpha);
+                    const t16 a = t16_set1(alpha);
                     for (int d = 0; d < hd; d += 16)
-                        _mm512_storeu_ps(acc + h * hd + d,
-                                         _mm512_mul_ps(a, _mm512_loadu_ps(acc + h * hd + d)));
+                        t16_store(acc + h * hd + d, t16_mul(a, t16_load(acc + h * hd + d)));
                 }
             }
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += chunk) {
@@ -220,26 +214,26 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
             memset(sum, 0, sizeof sum);
             for (int64_t c = 0; c < nparts; c++) {
                 const float *pc = parts + c * stride;
-                const __m512 w = exp16_nonpos(_mm512_set1_ps(pc[h] - mx));
-                l += _mm512_cvtss_f32(w) * pc[num_heads + h];
+                const float w = exp_nonpos(pc[h] - mx);
+                const t16 wv = t16_set1(w);
+                l += w * pc[num_heads + h];
                 for (int d = 0; d < hd; d += 16)
-                    _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(w, _mm512_loadu_ps(one + c * stride + d),
-                                                              _mm512_loadu_ps(sum + d)));
+                    t16_store(sum + d, t16_fmadd(wv, t16_load(one + c * stride + d), t16_load(sum + d)));
             }
         }
-        const __m512 inv = _mm512_set1_ps((!bad && nparts > 0 && l > 0.0f) ? 1.0f / l : 0.0f);
+        const float inv = (!bad && nparts > 0 && l > 0.0f) ? 1.0f / l : 0.0f;
 #if ATTN_NATIVE
         if (p->bf16) {
             float o[hd];
             unpermute(sum, o, hd);
             for (int d = 0; d < hd; d += 16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)out + h * hd + d),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(o + d))));
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_set1_ps(inv), _mm512_loadu_ps(o + d))));
             continue;
         }
 #endif
         for (int d = 0; d < hd; d += 16)
-            _mm512_storeu_ps((float *)out + h * hd + d, _mm512_mul_ps(inv, _mm512_loadu_ps(sum + d)));
+            t16_store((float *)out + h * hd + d, t16_mul(t16_set1(inv), t16_load(sum + d)));
     }
 }
 
@@ -280,7 +274,7 @@ static int64_t part_end(int64_t c, int32_t len) { return (c + 1) * PART_TOKENS <
  * out: the pool's dtype. Returns the (sequence, kv head) tasks refused, or -1 without scratch
  * memory.
  */
-static int decode_512(const Pool *p, const void *q, const int32_t *block_tables,
+static int decode_by_parts(const Pool *p, const void *q, const int32_t *block_tables,
                       const int32_t *context_lens, void *out, int64_t num_seqs, int64_t bt_stride,
                       int64_t q_seq_stride, int64_t q_head_stride, float scale,
                       int32_t num_threads) {

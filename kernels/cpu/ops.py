@@ -80,6 +80,13 @@ def attention_f32_512() -> bool:
     return lib is not None and bool(lib.pdserve_paged_attention_f32_512())
 
 
+def attention_f32_parts() -> bool:
+    """Whether fp32 decode attention (head_dim 64 or 128) goes by parts (decode_parts.h, on
+    AVX-512 or AVX2 tiles); else the portable path."""
+    lib = _library()
+    return lib is not None and bool(lib.pdserve_paged_attention_f32_parts())
+
+
 def native_available() -> bool:
     """Whether the C decode kernel is compiled and loaded (building it if needed)."""
     return _library() is not None

@@ -24,10 +24,11 @@
  * registers (or two NEON registers), without -ffast-math, so exp keeps its accuracy. The score
  * and PV loops keep eight independent FMA chains in flight; one chain would wait on FMA latency.
  *
- * On AVX-512 CPUs, decode attention over pools with head_dim 64 or 128 takes decode_512.h
- * (included below: a sequence's context in parts read front to back, every kv head at once,
- * 16-lane scores and P @ V; bf16 pools there only with AVX512-BF16, as vdpbf16ps dot products),
- * and bf16 prefill attention on AVX512-BF16 takes prefill_bf16.h; this path is for the rest.
+ * On AVX-512 CPUs, decode attention over pools with head_dim 64 or 128 takes decode_parts.h on
+ * decode_512.h's tiles (included below: a sequence's context in parts read front to back, every kv
+ * head at once, 16-lane scores and P @ V; bf16 pools there only with AVX512-BF16, as vdpbf16ps dot
+ * products), fp32 pools on AVX2 the same walk on decode_256.h's tiles, and bf16 prefill attention
+ * on AVX512-BF16 takes prefill_bf16.h; this path is for the rest.
  * On a 2-core Zen 4, 32 sequences x 600 tokens of the default model: 0.48 ms per layer with the
  * KV in cache, 0.76 / 0.93 ms from memory in contiguous / shuffled blocks, against 1.87 ms hot
  * for the widening path above (bench/kernels.py); since then the next span's prefetch was
@@ -308,9 +309,18 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #if ATTN_NATIVE
 #include "prefill_bf16.h" /* prefill attention */
 #endif
+#define ATTN_PARTS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ATTN_512 0
+#define ATTN_NATIVE 0
+#define ATTN_UNROLL _Pragma("GCC unroll 16")
+#include "decode_256.h"   /* fp32 pools: the same walk on 8-lane registers */
+#include "decode_parts.h"
+#define ATTN_PARTS 1
 #else
 #define ATTN_512 0
 #define ATTN_NATIVE 0
+#define ATTN_PARTS 0
 #endif
 
 /*
@@ -331,10 +341,10 @@ int pdserve_paged_decode_attention(
     const int group = pool.group;
     const int elem = is_bf16 ? 2 : 4;
     int64_t num_bad = 0;
-#if ATTN_512
+#if ATTN_PARTS
     if ((is_bf16 ? ATTN_NATIVE : 1) && (head_dim == 64 || head_dim == 128))
-        return decode_512(&pool, q, block_tables, context_lens, out, num_seqs, bt_stride,
-                          q_seq_stride, q_head_stride, scale, num_threads);
+        return decode_by_parts(&pool, q, block_tables, context_lens, out, num_seqs, bt_stride,
+                               q_seq_stride, q_head_stride, scale, num_threads);
 #endif
     /* Portable path: a task per SPAN_TOKENS of a sequence (every kv head), so that even one
      * sequence keeps every thread busy; then each (sequence, kv head) merges its spans. */
@@ -401,3 +411,6 @@ int pdserve_paged_attention_native(void) { return ATTN_NATIVE; }
 
 /* 1 if fp32 pools with head_dim 64 or 128 run on the AVX-512 path (decode_512.h). */
 int pdserve_paged_attention_f32_512(void) { return ATTN_512; }
+
+/* 1 if fp32 pools with head_dim 64 or 128 run in parts (decode_parts.h: AVX-512 or AVX2). */
+int pdserve_paged_attention_f32_parts(void) { return ATTN_PARTS; }

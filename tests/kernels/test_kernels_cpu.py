@@ -17,9 +17,10 @@ from pdserve import kernels
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-def avx512_attention(dtype: torch.dtype) -> bool:
-    """Whether decode attention over ``dtype`` pools takes decode_512.h here."""
-    return ops.attention_bf16_native() if dtype == torch.bfloat16 else ops.attention_f32_512()
+def parts_attention(dtype: torch.dtype) -> bool:
+    """Whether decode attention over ``dtype`` pools goes by parts (decode_parts.h) in the library
+    the test uses: bf16 on AVX512-BF16, fp32 on AVX-512 or AVX2."""
+    return ops.attention_bf16_native() if dtype == torch.bfloat16 else ops.attention_f32_parts()
 
 
 def decode_args(paged_case, dtype=torch.float32):
@@ -28,15 +29,28 @@ def decode_args(paged_case, dtype=torch.float32):
     return case, (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
 
 
-@pytest.fixture(params=["machine", "emulated"])
-def bf16_instructions(request, tmp_path, monkeypatch):
-    """The bf16 tests run twice: on this machine's own library (AVX512-BF16 where it has it), and,
-    where it lacks AVX512-BF16 but has AVX-512, on a library built with those two instructions
-    written in AVX-512F (kernels/cpu/bf16_emulated.h, a stand-in for tests only), so that the bf16
-    paths' logic is checked on every AVX-512 machine. fp32 cases take the machine's library."""
+@pytest.fixture(params=["machine", "emulated", "avx2"])
+def attention_build(request, tmp_path, monkeypatch):
+    """The library a test of the parts path runs on: this machine's own (AVX512-BF16 where it has
+    it); "emulated" (bf16 cases), where it lacks AVX512-BF16 but has AVX-512, one built with those
+    two instructions written in AVX-512F (kernels/cpu/bf16_emulated.h, a stand-in for tests only),
+    so that the bf16 paths' logic is checked on every AVX-512 machine; "avx2" (fp32 cases), on an
+    AVX-512 machine, one built without AVX-512 (decode_256.h's tiles, as AVX2 machines run)."""
+    dtype = request.node.callspec.params.get("dtype", torch.bfloat16)
     if request.param == "machine":
         return "machine"
-    if request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+    if request.param == "avx2":
+        if dtype == torch.bfloat16:
+            pytest.skip("bf16 pools take the portable path without AVX512-BF16")
+        if not ops.attention_f32_512():
+            pytest.skip("no AVX-512 here: the machine's library is the AVX2 (or portable) one")
+        monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+        flags = ("-mno-avx512f",)
+        lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=flags))
+        assert lib.pdserve_paged_attention_f32_parts() and not lib.pdserve_paged_attention_f32_512()
+        monkeypatch.setattr(ops, "_library", lambda: lib)
+        return "avx2"
+    if dtype != torch.bfloat16:
         pytest.skip("fp32: the machine's library covers it")
     if ops.attention_bf16_native():
         pytest.skip("this machine runs the real AVX512-BF16 instructions (the 'machine' case)")
@@ -51,11 +65,11 @@ def bf16_instructions(request, tmp_path, monkeypatch):
 
 @pytest.fixture
 def portable_attention(tmp_path, monkeypatch):
-    """ops' attention library built without AVX-512 (its portable paths), in place of the
-    machine's own for the test."""
+    """ops' attention library built without AVX (its portable paths: CPUs without AVX2, other
+    architectures, head sizes other than 64 and 128), in place of the machine's own for the test."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=("-mno-avx512f",)))
-    assert not lib.pdserve_paged_attention_f32_512()
+    lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=("-mno-avx",)))
+    assert not lib.pdserve_paged_attention_f32_parts()
     monkeypatch.setattr(ops, "_library", lambda: lib)
     return lib
 
@@ -168,14 +182,14 @@ def test_backends_share_the_reference_signatures(name):
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_avx512_decode_attention(
-    bf16_instructions, heads, block_size, dtype, paged_case, dense, close
+    attention_build, heads, block_size, dtype, paged_case, dense, close
 ):
     """The AVX-512 path (decode_512.h; bf16 pools on AVX512-BF16 only): 16-token tiles that span
     blocks (block_size < 16) or split them, query-head groups that fill 1 to 4 chunks of
     registers, head_dim 64 and 128. Pool rows past every sequence hold NaN: the lanes of a
     tile's last, partial part must not read them."""
-    if not ops.native_available() or not avx512_attention(dtype):
-        pytest.skip(f"{dtype} decode attention takes the portable path here")
+    if not ops.native_available() or not parts_attention(dtype):
+        pytest.skip(f"{dtype} decode attention takes the portable path in this build")
     num_heads, num_kv_heads, head_dim = heads
     lens = [1, 15, 16, 17, 40, 100]
     case = paged_case(lens, num_kv_heads, head_dim, block_size, dtype, seed=block_size)
@@ -194,7 +208,7 @@ def test_avx512_decode_attention(
 )
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_bf16_prefill_attention(
-    bf16_instructions, heads, block_size, paged_case, dense, close
+    attention_build, heads, block_size, paged_case, dense, close
 ):
     """The AVX512-BF16 prefill: blocks of 16 queries in quads of 4 (partial ones too), tiles
     crossing the causal diagonal, more keys than one 512-key softmax chunk (the rescale between
@@ -243,7 +257,7 @@ def test_native_bf16_prefill_attention(
 
 
 @needs_compiler
-def test_native_prefill_rejects_bad_context(bf16_instructions, paged_case):
+def test_native_prefill_rejects_bad_context(attention_build, paged_case):
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here")
     case = paged_case([20], 3, 64, 16, torch.bfloat16)
@@ -319,7 +333,7 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
 def test_long_contexts_split_in_spans_merge_exactly(
     dtype, block_size, portable_attention, paged_case, dense, close
 ):
-    """The portable path (built here without AVX-512, as an AVX2 machine runs it) splits a
+    """The portable path (built here without AVX, as a CPU without AVX2 runs it) splits a
     context into spans of 256 tokens run in parallel and merges them: right on both sides of a
     span's edge and over many spans; a sequence's result does not depend on the batch it runs in
     nor on the thread count (spans are fixed, not sized to fit)."""
@@ -355,14 +369,14 @@ def test_long_contexts_split_in_spans_merge_exactly(
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
-    bf16_instructions, heads, block_size, dtype, paged_case, dense, close
+    attention_build, heads, block_size, dtype, paged_case, dense, close
 ):
     """The AVX-512 path splits a context into parts of 128 tokens (computed by one thread a
     sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
     edge and over many parts; a sequence's result is the same alone on 1 or 2 threads and in a
     batch (the parts are fixed, not sized to the threads)."""
-    if not ops.native_available() or not avx512_attention(dtype):
-        pytest.skip(f"{dtype} decode attention takes the portable path here")
+    if not ops.native_available() or not parts_attention(dtype):
+        pytest.skip(f"{dtype} decode attention takes the portable path in this build")
     num_heads, num_kv_heads, head_dim = heads
     lens = [127, 128, 129, 600, 1030]
     case = paged_case(lens, num_kv_heads, head_dim, block_size, dtype, seed=3)
