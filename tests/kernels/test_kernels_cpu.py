@@ -181,12 +181,12 @@ def test_backends_share_the_reference_signatures(name):
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_avx512_decode_attention(
+def test_decode_attention_by_parts(
     attention_build, heads, block_size, dtype, paged_case, dense, close
 ):
-    """The AVX-512 path (decode_512.h; bf16 pools on AVX512-BF16 only): 16-token tiles that span
-    blocks (block_size < 16) or split them, query-head groups that fill 1 to 4 chunks of
-    registers, head_dim 64 and 128. Pool rows past every sequence hold NaN: the lanes of a
+    """The parts path on AVX-512 or AVX2 tiles (decode_512.h, decode_256.h; bf16 pools on
+    AVX512-BF16 only): 16-token tiles that span blocks (block_size < 16) or split them, query-head
+    groups that fill 1 to 4 chunks of registers, head_dim 64 and 128. Pool rows past every sequence hold NaN: the lanes of a
     tile's last, partial part must not read them."""
     if not ops.native_available() or not parts_attention(dtype):
         pytest.skip(f"{dtype} decode attention takes the portable path in this build")
@@ -368,10 +368,10 @@ def test_long_contexts_split_in_spans_merge_exactly(
 )
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_avx512_parts_merge_the_same_for_any_batch_and_threads(
+def test_parts_merge_the_same_for_any_batch_and_threads(
     attention_build, heads, block_size, dtype, paged_case, dense, close
 ):
-    """The AVX-512 path splits a context into parts of 128 tokens (computed by one thread a
+    """The parts path splits a context into parts of 128 tokens (computed by one thread a
     sequence, or by every thread at batch 1) merged in order: right on both sides of a part's
     edge and over many parts; a sequence's result is the same alone on 1 or 2 threads and in a
     batch (the parts are fixed, not sized to the threads)."""
