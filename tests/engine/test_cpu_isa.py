@@ -21,12 +21,9 @@ import pytest
 from pdserve.kernels.cpu import build, ops, quant
 
 from pdserve import config, envs
+from tests.kernels.test_quant import FLAGS  # the CPU's own flags, whatever the switch
 
 ROOT = Path(__file__).resolve().parents[2]
-try:
-    FLAGS = set(Path("/proc/cpuinfo").read_text().split())
-except OSError:
-    FLAGS = set()
 HAS_AVX512 = {"avx2", "fma", "avx512f", "avx512bw"} <= FLAGS
 needs_avx512 = pytest.mark.skipif(
     not HAS_AVX512, reason="no AVX-512 here: the native build is the AVX2 one"
