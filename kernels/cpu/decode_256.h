@@ -1,6 +1,6 @@
 /*
  * Decode attention's tiles on AVX2 + FMA (no AVX-512): what decode_512.h gives decode_parts.h, for
- * fp32 pools with head_dim 64 or 128, so that AVX2 machines walk a context as AVX-512 ones do
+ * an fp32 query over fp32 or bf16 pools (rows widened in registers) with head_dim 64 or 128, so that AVX2 machines walk a context as AVX-512 ones do
  * (parts of 128 tokens, every kv head, the next span prefetched over the tiles of this one). Part
  * of paged_attention.c, which includes it in its AVX2 section (it uses that file's v8f, reduce8,
  * exp8_nonpos and ATTN_UNROLL).
@@ -59,9 +59,15 @@ static inline sink64 touch64(sink64 s, const char *p) {
 }
 #define KEEP_SINK(s) __asm__ volatile("" : : "x"(s))
 
-/* scores[t] = scale * q . k[t] for t < TOK (rows[t] valid for every t), fp32, one query head. */
+/* 8 values of a pool row from element i: fp32, or (wide) bf16 widened to fp32 in the register. */
+static inline __attribute__((always_inline)) v8f row8(const void *r, int i, int wide) {
+    return wide ? widen_bf16_8((const uint16_t *)r + i) : load8f((const float *)r + i);
+}
+
+/* scores[t] = scale * q . k[t] for t < TOK (rows[t] valid for every t), one fp32 query head; rows
+ * fp32, or bf16 (wide). */
 static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
-                                                          int hd, float scale) {
+                                                          int hd, float scale, int wide) {
     v8f half[2];
     ATTN_UNROLL for (int i = 0; i < 2; i++) {
         v8f a[8];
@@ -69,27 +75,27 @@ static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const 
         ATTN_UNROLL for (int d = 0; d < 128; d += 8) {
             if (d >= hd) break;
             const v8f qv = load8f(q + d);
-            ATTN_UNROLL for (int j = 0; j < 8; j++) a[j] += qv * load8f((const float *)rows[8 * i + j] + d);
+            ATTN_UNROLL for (int j = 0; j < 8; j++) a[j] += qv * row8(rows[8 * i + j], d, wide);
         }
         half[i] = reduce8(a) * scale;
     }
     return (t16){(__m256)half[0], (__m256)half[1]};
 }
 
-/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh (<= 3) and tokens t < n, fp32: 32 output
- * dimensions at a time, each V row's 32 loaded once and multiplied into every head's. */
+/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh (<= 3) and tokens t < n, fp32 (bf16 rows
+ * widened, wide): 32 output dimensions at a time, each V row's 32 loaded once and multiplied into
+ * every head's. */
 static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPAN],
                                                          const void *const rows[SPAN], int n,
-                                                         int nh, int hd, float *out) {
+                                                         int nh, int hd, float *out, int wide) {
     for (int d0 = 0; d0 < hd; d0 += 32) {
         __m256 o[3][4];
         ATTN_UNROLL for (int h = 0; h < 3; h++)
             ATTN_UNROLL for (int j = 0; j < 4; j++)
                 if (h < nh) o[h][j] = _mm256_loadu_ps(out + h * hd + d0 + 8 * j);
         for (int t = 0; t < n; t++) {
-            const float *r = (const float *)rows[t] + d0;
             __m256 v[4];
-            ATTN_UNROLL for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(r + 8 * j);
+            ATTN_UNROLL for (int j = 0; j < 4; j++) v[j] = (__m256)row8(rows[t], d0 + 8 * j, wide);
             ATTN_UNROLL for (int h = 0; h < 3; h++) {
                 if (h >= nh) break;
                 const __m256 pt = _mm256_set1_ps(probs[h][t]);
@@ -102,17 +108,25 @@ static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPA
     }
 }
 
+/* pv_f32 with nh, hd and wide as constants, so that its loops unroll. */
+#define PV_256(nh, hd)                                                                             \
+    do {                                                                                           \
+        if (wide) pv_f32(probs, rows, n, nh, hd, out, 1);                                          \
+        else pv_f32(probs, rows, n, nh, hd, out, 0);                                               \
+    } while (0)
+
 static void pv_f32_any(const float probs[][SPAN], const void *const rows[SPAN], int n, int nh,
-                       int hd, float *out) {
+                       int hd, float *out, int wide) {
     if (hd == 64) {
-        if (nh == 3) pv_f32(probs, rows, n, 3, 64, out);
-        else if (nh == 2) pv_f32(probs, rows, n, 2, 64, out);
-        else pv_f32(probs, rows, n, 1, 64, out);
+        if (nh == 3) PV_256(3, 64);
+        else if (nh == 2) PV_256(2, 64);
+        else PV_256(1, 64);
     } else {
-        if (nh == 3) pv_f32(probs, rows, n, 3, 128, out);
-        else if (nh == 2) pv_f32(probs, rows, n, 2, 128, out);
-        else pv_f32(probs, rows, n, 1, 128, out);
+        if (nh == 3) PV_256(3, 128);
+        else if (nh == 2) PV_256(2, 128);
+        else PV_256(1, 128);
     }
 }
+#undef PV_256
 
 #endif /* PDSERVE_DECODE_256_H */

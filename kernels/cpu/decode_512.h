@@ -1,8 +1,9 @@
 /*
  * Decode attention on AVX-512: part of paged_attention.c, which includes this file inside its
  * AVX-512 section (it uses that file's Pool and row_index, exp512.h and ATTN_UNROLL); kept apart
- * only to keep each file readable. fp32 pools take it on any AVX-512 CPU, bf16 pools where
- * ATTN_NATIVE (AVX512-BF16) holds; head_dim 64 or 128.
+ * only to keep each file readable. fp32 pools take it on any AVX-512 CPU, and bf16 pools under an
+ * fp32 query (rows widened in registers); bf16 pools under a bf16 query where ATTN_NATIVE
+ * (AVX512-BF16) holds; head_dim 64 or 128.
  */
 #ifndef PDSERVE_DECODE_512_H
 #define PDSERVE_DECODE_512_H
@@ -96,16 +97,25 @@ static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q,
 }
 #endif
 
-/* The same for fp32 rows and query: 16-lane FMAs over head_dim. */
+/* 16 values of a pool row from element i: fp32, or (wide) bf16 widened to fp32 in the register:
+ * bf16 pools of an fp32 model are read at 2 bytes a value and computed on as fp32. */
+static inline __attribute__((always_inline)) __m512 row16(const void *r, int i, int wide) {
+    if (wide)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)r + i))), 16));
+    return _mm512_loadu_ps((const float *)r + i);
+}
+
+/* The same for an fp32 query and fp32 rows (or bf16 ones, wide): 16-lane FMAs over head_dim. */
 static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
-                                                             int hd, float scale) {
+                                                             int hd, float scale, int wide) {
     __m512 a[16], qv[8];
     ATTN_UNROLL for (int c = 0; c < 8; c++) qv[c] = c < hd / 16 ? _mm512_loadu_ps(q + 16 * c) : _mm512_setzero_ps();
     ATTN_UNROLL for (int i = 0; i < 16; i++) {
-        const float *k = rows[4 * (i & 3) + (i >> 2)]; /* a[4r + c] holds token 4c + r */
-        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        const void *k = rows[4 * (i & 3) + (i >> 2)]; /* a[4r + c] holds token 4c + r */
+        __m512 s = _mm512_mul_ps(qv[0], row16(k, 0, wide));
         ATTN_UNROLL for (int c = 1; c < 8; c++)
-            if (c < hd / 16) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s);
+            if (c < hd / 16) s = _mm512_fmadd_ps(qv[c], row16(k, 16 * c, wide), s);
         a[i] = s;
     }
     return _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale));
@@ -190,21 +200,20 @@ static inline void unpermute(const float *in, float *out, int hd) {
 }
 #endif
 
-/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh and tokens t < n, fp32: each V row loaded
- * once into registers and multiplied into every query head's output, which stays in registers
- * (nh * hd / 16 of them, nh chosen so they fit in 16). */
+/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh and tokens t < n, fp32 (bf16 rows widened,
+ * wide): each V row loaded once into registers and multiplied into every query head's output,
+ * which stays in registers (nh * hd / 16 of them, nh chosen so they fit in 16). */
 static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPAN],
                                                          const void *const rows[SPAN], int n,
-                                                         int nh, int hd, float *out) {
+                                                         int nh, int hd, float *out, int wide) {
     __m512 o[16], v[8];
     const int nv = hd / 16;
     ATTN_UNROLL for (int h = 0; h < 4; h++)
         ATTN_UNROLL for (int j = 0; j < 8; j++)
             if (h < nh && j < nv) o[h * nv + j] = _mm512_loadu_ps(out + h * hd + 16 * j);
     for (int t = 0; t < n; t++) {
-        const float *r = rows[t];
         ATTN_UNROLL for (int j = 0; j < 8; j++)
-            if (j < nv) v[j] = _mm512_loadu_ps(r + 16 * j);
+            if (j < nv) v[j] = row16(rows[t], 16 * j, wide);
         ATTN_UNROLL for (int h = 0; h < 4; h++) {
             if (h >= nh) break;
             const __m512 pt = _mm512_set1_ps(probs[h][t]);
@@ -217,9 +226,24 @@ static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPA
             if (h < nh && j < nv) _mm512_storeu_ps(out + h * hd + 16 * j, o[h * nv + j]);
 }
 
+static inline __attribute__((always_inline)) void pv_f32_narrow(const float probs[][SPAN],
+                                                                const void *const rows[SPAN], int n,
+                                                                int nh, int hd, float *out) {
+    pv_f32(probs, rows, n, nh, hd, out, 0);
+}
+
+static inline __attribute__((always_inline)) void pv_f32_wide(const float probs[][SPAN],
+                                                              const void *const rows[SPAN], int n,
+                                                              int nh, int hd, float *out) {
+    pv_f32(probs, rows, n, nh, hd, out, 1);
+}
+
 static void pv_f32_any(const float probs[][SPAN], const void *const rows[SPAN], int n, int nh,
-                       int hd, float *out) {
-    PV_CONST(pv_f32, probs, rows, n, nh, hd, out);
+                       int hd, float *out, int wide) {
+    if (wide)
+        PV_CONST(pv_f32_wide, probs, rows, n, nh, hd, out);
+    else
+        PV_CONST(pv_f32_narrow, probs, rows, n, nh, hd, out);
 }
 
 #endif /* PDSERVE_DECODE_512_H */

@@ -86,7 +86,8 @@ static int seq_bad(const Pool *p, const int32_t *blocks, int32_t context_len) {
  * the default model's 3 kv heads.) Spans of 64 tokens: scores of 16 tokens at a time (qk16), one
  * softmax update per span and query head, then P @ V over the span. Leaves the part's softmax
  * state in part (PART_FLOATS of it): per query head its running max m, sum l and the output
- * accumulator (not yet divided by l; bf16: in pv_pairs' permuted order). q: the pool's dtype.
+ * accumulator (not yet divided by l; bf16 query: in pv_pairs' permuted order). q: bf16 (then
+ * so are the pools: bf16 dot products) or fp32 (pools fp32, or bf16 widened in registers).
  * The last span prefetches the next piece of work: tokens next_t0.. of next_blocks (context
  * next_len), if next_blocks.
  */
@@ -97,11 +98,12 @@ static inline __attribute__((always_inline)) void decode_part_hd(
     int64_t next_t0, int32_t next_len, const int hd) {
     const int group = p->group, num_kv_heads = p->num_kv_heads;
     const int num_heads = group * num_kv_heads, row = num_kv_heads * hd, elem = p->bf16 ? 2 : 4;
+    const int q_elem = p->q_bf16 ? 2 : 4, wide = p->bf16 && !p->q_bf16; /* wide: rows widened */
     const int chunk = PV_HEADS(hd); /* query heads whose outputs stay in registers */
     const char *k_cache = p->k_cache, *v_cache = p->v_cache;
     float *m = part, *l = part + num_heads, *acc = part + 2 * num_heads;
-    float probs[p->bf16 ? 1 : num_heads][SPAN];         /* a span's probabilities (fp32) */
-    uint32_t pairs[p->bf16 ? num_heads : 1][SPAN / 2]; /* (bf16): as bf16 pairs */
+    float probs[p->q_bf16 ? 1 : num_heads][SPAN];         /* a span's probabilities (fp32) */
+    uint32_t pairs[p->q_bf16 ? num_heads : 1][SPAN / 2]; /* (bf16 query): as bf16 pairs */
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)num_heads * hd);
     int64_t rows[SPAN];
@@ -123,7 +125,7 @@ static inline __attribute__((always_inline)) void decode_part_hd(
                 vrows[t] = v_cache + (rows[t] + (int64_t)g * hd) * elem;
             }
             for (int h = g * group; h < (g + 1) * group; h++) {
-                const char *qh = (const char *)q + h * q_head_stride * elem;
+                const char *qh = (const char *)q + h * q_head_stride * q_elem;
                 t16 s[SPAN / TOK];
                 t16 mx = t16_set1(m[h]);
                 for (int j = 0; j < tiles; j++) {
@@ -132,11 +134,14 @@ static inline __attribute__((always_inline)) void decode_part_hd(
                         prefetch_span(p, pf_blocks, next + (int64_t)pt * SPAN / parts,
                                       next + (int64_t)(pt + 1) * SPAN / parts, pf_len);
 #if ATTN_NATIVE
-                    if (p->bf16)
+                    if (p->q_bf16)
                         s[j] = qk16_bf16((const uint16_t *)qh, krows + j * TOK, hd, scale);
                     else
 #endif
-                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale);
+                    if (wide)
+                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale, 1);
+                    else
+                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale, 0);
                     const int left = n - j * TOK;
                     if (left < TOK) s[j] = t16_first(s[j], left);
                     mx = t16_max(mx, s[j]);
@@ -150,13 +155,13 @@ static inline __attribute__((always_inline)) void decode_part_hd(
                     const t16 e = t16_exp_nonpos(t16_sub(s[j], mv));
                     sum = t16_add(sum, e);
 #if ATTN_NATIVE
-                    if (p->bf16)
+                    if (p->q_bf16)
                         _mm256_storeu_si256((__m256i *)(pairs[h] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
                     else
 #endif
                         t16_store(probs[h] + TOK * j, e);
                 }
-                if (p->bf16 && tiles * TOK < SPAN) /* the pair of an odd n's last token: (p, 0) */
+                if (p->q_bf16 && tiles * TOK < SPAN) /* the pair of an odd n's last token: (p, 0) */
                     memset(pairs[h] + 8 * tiles, 0, sizeof(uint32_t) * (SPAN / 2 - 8 * tiles));
                 l[h] = l[h] * alpha + t16_hsum(sum);
                 m[h] = m_new;
@@ -169,11 +174,11 @@ static inline __attribute__((always_inline)) void decode_part_hd(
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += chunk) {
                 const int nh = (g + 1) * group - h0 < chunk ? (g + 1) * group - h0 : chunk;
 #if ATTN_NATIVE
-                if (p->bf16)
+                if (p->q_bf16)
                     pv_pairs_any(pairs + h0, vrows, n, nh, hd, acc + (int64_t)h0 * hd);
                 else
 #endif
-                    pv_f32_any(probs + h0, vrows, n, nh, hd, acc + (int64_t)h0 * hd);
+                    pv_f32_any(probs + h0, vrows, n, nh, hd, acc + (int64_t)h0 * hd, wide);
             }
         }
     }
@@ -195,7 +200,7 @@ static void decode_part(const Pool *p, const void *q, int64_t q_head_stride, con
  * scaled by exp(its max - the overall max) and summed in order, then divided by the sum. One
  * part is taken as it is, so a context of at most PART_TOKENS tokens gets exactly the
  * single-pass result; the split never depends on the batch or the thread count, so neither do
- * the outputs. bad (or no part): zeros. out: the pool's dtype. */
+ * the outputs. bad (or no part): zeros. out: the query's dtype. */
 static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int bad, void *out) {
     const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim;
     const int64_t stride = PART_FLOATS(num_heads, hd);
@@ -223,7 +228,7 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
         }
         const float inv = (!bad && nparts > 0 && l > 0.0f) ? 1.0f / l : 0.0f;
 #if ATTN_NATIVE
-        if (p->bf16) {
+        if (p->q_bf16) {
             float o[hd];
             unpermute(sum, o, hd);
             for (int d = 0; d < hd; d += 16)
@@ -271,14 +276,14 @@ static int64_t part_end(int64_t c, int32_t len) { return (c + 1) * PART_TOKENS <
  * round robin so that a thread knows its next part and prefetches it the same way (fp32, batch 1,
  * 576-1,024 tokens, the Xeon without AVX512-BF16: 0.93-0.98x the time of taking them as they
  * came, `schedule(dynamic)`, whose first spans were read cold). q and
- * out: the pool's dtype. Returns the (sequence, kv head) tasks refused, or -1 without scratch
+ * out: the query's dtype. Returns the (sequence, kv head) tasks refused, or -1 without scratch
  * memory.
  */
 static int decode_by_parts(const Pool *p, const void *q, const int32_t *block_tables,
                       const int32_t *context_lens, void *out, int64_t num_seqs, int64_t bt_stride,
                       int64_t q_seq_stride, int64_t q_head_stride, float scale,
                       int32_t num_threads) {
-    const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim, elem = p->bf16 ? 2 : 4;
+    const int num_heads = p->group * p->num_kv_heads, hd = p->head_dim, elem = p->q_bf16 ? 2 : 4;
     const int64_t pf = PART_FLOATS(num_heads, hd), seq_out = (int64_t)num_heads * hd * elem;
     const int64_t q_seq = q_seq_stride * elem;
     const char *qb = q;

@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
+enum { F32 = 0, BF16 = 1, KV_BF16 = 2 }; /* KV_BF16: fp32 rows, bf16 KV pools (RoPE only) */
 
 #define PARALLEL_MIN_ELEMENTS (1 << 12)
 
@@ -285,7 +285,8 @@ void pdserve_rms_norm(const void *x, void *residual, const void *weight, void *o
  *     x1, x2 = x[:d/2], x[d/2:];   out = x * cos + cat(-x2, x1) * sin
  *
  * with cos/sin ([max_positions, head_dim] fp32) first rounded to the dtype, as torch does; then
- * k and v go to row slots[m] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]).
+ * k and v go to row slots[m] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]): in
+ * qkv's dtype, or (dtype KV_BF16: qkv fp32) rounded to bf16 (nearest even, as torch's .to()).
  * Returns the number of tokens whose position or slot was out of range (nothing is written for
  * them), 0 when all is well.
  */
@@ -295,7 +296,7 @@ int pdserve_rope_write_kv(void *qkv, int64_t M, int64_t row_stride, int64_t num_
                           void *k_cache, void *v_cache, const int64_t *slots, int64_t num_slots,
                           int32_t dtype, int32_t num_threads) {
     const int64_t kv = num_kv_heads * head_dim, heads = num_heads + num_kv_heads;
-    const int elem = dtype == BF16 ? 2 : 4;
+    const int elem = dtype == BF16 ? 2 : 4, kv_elem = dtype == F32 ? 4 : 2;
     int bad = 0;
 #pragma omp parallel for num_threads(threads_for(M * row_stride, num_threads)) \
     schedule(static) reduction(+ : bad)
@@ -316,8 +317,17 @@ int pdserve_rope_write_kv(void *qkv, int64_t M, int64_t row_stride, int64_t num_
         else
             rope_row_f32((float *)row, heads, head_dim, cos, sin, c, s, v);
         const char *k = row + num_heads * head_dim * elem;
-        memcpy((char *)k_cache + slot * kv * elem, k, (size_t)(kv * elem));
-        memcpy((char *)v_cache + slot * kv * elem, k + kv * elem, (size_t)(kv * elem));
+        char *kc = (char *)k_cache + slot * kv * kv_elem, *vc = (char *)v_cache + slot * kv * kv_elem;
+        if (dtype == KV_BF16) {
+            const float *kf = (const float *)k, *vf = kf + kv;
+            for (int64_t i = 0; i < kv; i++) {
+                ((uint16_t *)kc)[i] = to_bf16(round_bf16(kf[i]));
+                ((uint16_t *)vc)[i] = to_bf16(round_bf16(vf[i]));
+            }
+        } else {
+            memcpy(kc, k, (size_t)(kv * elem));
+            memcpy(vc, k + kv * elem, (size_t)(kv * elem));
+        }
     }
     return bad;
 }

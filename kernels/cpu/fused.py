@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from pdserve.kernels import reference
-from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
+from pdserve.kernels.cpu.ops import NATIVE_DTYPES, kv_code, load_or_warn
 
 _SOURCE = Path(__file__).with_name("fused.c")
 
@@ -112,7 +112,9 @@ def rope_write_kv(
     """See ``reference.rope_write_kv``; in C, rotating q and k in place in ``qkv``."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    lib = _fused_library() if _fused_ok(qkv, k_cache, v_cache) else None
+    code = kv_code(qkv.dtype, k_cache.dtype) if k_cache.dtype == v_cache.dtype else None
+    pools_ok = code is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    lib = _fused_library() if pools_ok and _fused_ok(qkv) else None
     if lib is None or not reference.rope_operands_ok(qkv, cos, sin, num_heads, k_cache, v_cache):
         return reference.rope_write_kv(
             qkv, positions, cos, sin, num_heads, k_cache, v_cache, slot_mapping
@@ -140,7 +142,7 @@ def rope_write_kv(
         v_cache.data_ptr(),
         slots.data_ptr(),
         num_slots,
-        NATIVE_DTYPES[qkv.dtype],
+        code,
         torch.get_num_threads(),
     )
     if bad:

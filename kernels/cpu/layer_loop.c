@@ -66,7 +66,9 @@ typedef struct { /* one step */
     void *normed, *qkv, *attn, *o, *gate_up, *act, *down; /* buffers */
     const int64_t *positions, *slots;
     const float *cos, *sin;
-    int32_t is_bf16; /* activations, buffers and pools: bf16 (1) or fp32 (0, decode steps only) */
+    int32_t is_bf16; /* activations and buffers: bf16 (1) or fp32 (0, decode steps only) */
+    int32_t kv_code; /* the pools' code for rope and decode attention: as is_bf16, or 2 (fp32
+                        activations over bf16 pools) */
 } Step;
 
 enum { FAILED_ROPE = 0, FAILED_DECODE = 1, FAILED_PREFILL = 2, STOPPED = 3 };
@@ -94,7 +96,7 @@ int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, i
         s->linear(s->normed, L->qkv_w, L->qkv_b, s->qkv, m, w, H, t);
         int bad = s->rope(s->qkv, m, w, s->heads, s->kv_heads, hd, s->positions, s->cos, s->sin,
                           s->max_positions, L->k_cache, L->v_cache, s->slots,
-                          s->num_blocks * s->block_size, bf16, t);
+                          s->num_blocks * s->block_size, s->kv_code, t);
         if (bad) {
             *kind = FAILED_ROPE, *count = bad;
             return i;
@@ -115,7 +117,7 @@ int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, i
             bad = s->decode_attention(q, L->k_cache, L->v_cache, dc->block_tables, dc->context_lens,
                                       out, dc->seqs, s->heads, s->kv_heads, hd, s->block_size,
                                       s->num_blocks, dc->bt_width, dc->bt_stride, w, hd, s->scale,
-                                      bf16, t);
+                                      s->kv_code, t);
             if (bad) {
                 *kind = FAILED_DECODE, *count = bad;
                 return i;

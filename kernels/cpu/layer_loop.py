@@ -113,7 +113,7 @@ class _Step(ctypes.Structure):
                 "sin",
             )
         ]
-        + [("is_bf16", _I32)]
+        + [("is_bf16", _I32), ("kv_code", _I32)]
     )
 
 
@@ -233,13 +233,16 @@ class LayerLoop:
         k0 = kv_caches[0][0]
         for k, v in kv_caches:
             if not (
-                k.dtype == v.dtype == self.dtype
+                k.dtype == v.dtype == k0.dtype
+                and ops.kv_code(self.dtype, k.dtype) is not None
                 and k.shape == v.shape == k0.shape
                 and k.is_contiguous()
                 and v.is_contiguous()
             ):
+                kinds = "bfloat16" if self.dtype == torch.bfloat16 else "float32 or bfloat16"
                 raise ValueError(
-                    f"layer loop: every KV pool must be {self.dtype}, contiguous and of one shape"
+                    f"layer loop: every KV pool must be {kinds} (one dtype), contiguous and of "
+                    "one shape"
                 )
         layers = (_Layer * len(self.model.layers))()
         keep = []
@@ -355,6 +358,7 @@ class LayerLoop:
             self.cos.data_ptr(),
             self.sin.data_ptr(),
             int(self.dtype == torch.bfloat16),
+            ops.kv_code(self.dtype, k0.dtype),
         )
         kind, count = _I32(), _I64()
         failed = self.lib.pdserve_layers(

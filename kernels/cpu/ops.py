@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes the C kernels take
+KV_BF16 = 2  # their code for fp32 activations over bf16 KV pools (an fp32 model's bf16 KV cache)
+
+
+def kv_code(x_dtype: torch.dtype, pool_dtype: torch.dtype) -> int | None:
+    """The dtype code of activations ``x_dtype`` over KV pools of ``pool_dtype`` (attention,
+    RoPE's KV write), or None where the C kernels do not take the pair."""
+    if x_dtype == pool_dtype:
+        return NATIVE_DTYPES.get(x_dtype)
+    return KV_BF16 if (x_dtype, pool_dtype) == (torch.float32, torch.bfloat16) else None
 
 
 def load_or_warn(source: Path, what: str) -> ctypes.CDLL | None:
@@ -95,8 +104,8 @@ def native_available() -> bool:
 def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
-        and q.dtype in NATIVE_DTYPES
-        and q.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.dtype == v_cache.dtype
+        and kv_code(q.dtype, k_cache.dtype) is not None
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and k_cache.shape == v_cache.shape
@@ -155,7 +164,7 @@ def paged_decode_attention(
         q.stride(0),
         q.stride(1),
         scale,
-        NATIVE_DTYPES[q.dtype],
+        kv_code(q.dtype, k_cache.dtype),
         torch.get_num_threads(),
     )
     if num_bad:
@@ -199,7 +208,7 @@ def prefill_attention(
     lib = _library() if _native_ok(q, k_cache, v_cache) else None
     if (
         lib is not None
-        and q.dtype == torch.bfloat16
+        and q.dtype == k_cache.dtype == torch.bfloat16
         and q.shape[2] in (64, 128)
         and q.stride(2) == 1
         and lib.pdserve_paged_attention_native()
@@ -214,9 +223,10 @@ def prefill_attention(
         if end == start:
             continue
         prefix = context_len - (end - start)
-        # [1, num_kv_heads, context_len, head_dim]
-        k = reference.context_kv(k_cache, block_tables[s], context_len).transpose(0, 1)[None]
-        v = reference.context_kv(v_cache, block_tables[s], context_len).transpose(0, 1)[None]
+        # [1, num_kv_heads, context_len, head_dim], in q's dtype (bf16 pools of an fp32 model)
+        k = reference.context_kv(k_cache, block_tables[s], context_len).to(q.dtype)
+        v = reference.context_kv(v_cache, block_tables[s], context_len).to(q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         mask = None
         if prefix > 0:
             positions = torch.arange(context_len)

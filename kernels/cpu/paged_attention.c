@@ -43,6 +43,7 @@
 #endif
 
 #define TILE 32 /* tokens per softmax tile; a multiple of 8 */
+#define KV_BF16 2 /* is_bf16's code for an fp32 query over bf16 pools */
 
 #include "vec8.h" /* v8f, v8i, v8f_u, splat8, select8, widen_bf16_8, exp8_reduced */
 
@@ -185,7 +186,8 @@ static void widen_rows(const uint16_t *src, int64_t stride, int n, int head_dim,
 typedef struct {
     const void *k_cache, *v_cache;
     int64_t num_blocks, max_blocks;
-    int num_kv_heads, head_dim, block_size, group, bf16;
+    int num_kv_heads, head_dim, block_size, group;
+    int bf16, q_bf16; /* pools bf16; query and output bf16 (then the pools are too) */
 } Pool;
 
 typedef struct { /* per-thread scratch */
@@ -218,7 +220,7 @@ static int decode_task(const Pool *p, const void *q, int64_t q_head_stride, cons
         const int hg = h % group;
         for (int d = 0; d < head_dim; d++) {
             const int64_t i = h * q_head_stride + d;
-            const float x = p->bf16 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i];
+            const float x = p->q_bf16 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i];
             w->qs[h * head_dim + d] = x * scale;
             part[2 * group + hg * head_dim + d] = 0.0f;
         }
@@ -279,7 +281,7 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
         const float inv = (!bad && l > 0.0f) ? 1.0f / l : 0.0f;
         for (int d = 0; d < head_dim; d++) {
             const float x = acc[d] * inv;
-            if (p->bf16)
+            if (p->q_bf16)
                 ((uint16_t *)out)[h * head_dim + d] = f32_to_bf16(x);
             else
                 ((float *)out)[h * head_dim + d] = x;
@@ -325,7 +327,8 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 
 /*
  * q [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1); out contiguous
- * [num_seqs, num_heads, head_dim]; q, pools and out share one dtype (is_bf16). Block tables are
+ * [num_seqs, num_heads, head_dim]. is_bf16: 0 q, pools and out fp32; 1 all bf16; 2 (KV_BF16) q
+ * and out fp32 over bf16 pools (an fp32 model's bf16 KV cache: rows widened). Block tables are
  * int32 with row stride bt_stride. Returns the number of (sequence, kv head) tasks whose block
  * table entry or context length was out of range (their output is zeroed), 0 when all is well.
  */
@@ -337,12 +340,13 @@ int pdserve_paged_decode_attention(
     float scale, int32_t is_bf16, int32_t num_threads) {
     const Pool pool = {k_cache,           v_cache,        num_blocks,
                        max_blocks,        (int)num_kv_heads, (int)head_dim,
-                       (int)block_size,   (int)(num_heads / num_kv_heads), is_bf16 != 0};
+                       (int)block_size,   (int)(num_heads / num_kv_heads), is_bf16 != 0,
+                       is_bf16 == 1};
     const int group = pool.group;
-    const int elem = is_bf16 ? 2 : 4;
+    const int elem = pool.q_bf16 ? 2 : 4; /* q and out */
     int64_t num_bad = 0;
 #if ATTN_PARTS
-    if ((is_bf16 ? ATTN_NATIVE : 1) && (head_dim == 64 || head_dim == 128))
+    if ((pool.q_bf16 ? ATTN_NATIVE : 1) && (head_dim == 64 || head_dim == 128))
         return decode_by_parts(&pool, q, block_tables, context_lens, out, num_seqs, bt_stride,
                                q_seq_stride, q_head_stride, scale, num_threads);
 #endif

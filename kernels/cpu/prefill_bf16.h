@@ -197,7 +197,7 @@ int pdserve_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const
                                    int64_t bt_stride, int64_t q_tok_stride, int64_t q_head_stride,
                                    float scale, int32_t num_threads) {
     const Pool pool = {k_cache, v_cache, num_blocks, max_blocks, (int)num_kv_heads,
-                       (int)head_dim, (int)block_size, (int)(num_heads / num_kv_heads), 1};
+                       (int)head_dim, (int)block_size, (int)(num_heads / num_kv_heads), 1, 1};
     const int group = pool.group, hd = (int)head_dim;
     /* workspace: kt and vp of every (sequence, kv head); task list */
     int64_t words = 0, num_tasks = 0;
