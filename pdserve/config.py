@@ -50,6 +50,46 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         ) from None
 
 
+# The KV cache's element type (``--kv-cache-dtype``): "auto" is the activation dtype; bf16 pools
+# under an fp32 model halve the bytes a decode step reads of the KV cache and double the blocks a
+# budget holds (the attention reads them into fp32). Aliases as for ``DTYPES``.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV pools' dtype for ``--kv-cache-dtype name`` under a model computing in ``dtype`` on
+    ``device``. "auto": ``dtype``. Besides that, only bf16 pools under fp32 activations on the CPU:
+    on CUDA the Triton kernels take one dtype (rope/write falls back to torch, prefill attention
+    does not mix them), and no kernel reads fp32 pools with bf16 queries fast (refused rather than
+    run on the reference path). ValueError otherwise, saying what is allowed."""
+    if name == "auto":
+        return dtype
+    if name not in DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not supported; use one of: {', '.join(KV_CACHE_DTYPES)} "
+            "(or bf16, fp32)"
+        )
+    kv = DTYPES[name]
+    if kv == dtype:
+        return kv
+    names = f"a {_name(kv)} KV cache with {_name(dtype)} activations"
+    if device != "cpu":
+        raise ValueError(
+            f"{names} is not supported on {device}: on CUDA the KV cache has the activation dtype "
+            "(use kv_cache_dtype auto, or --dtype bfloat16)"
+        )
+    if kv != torch.bfloat16 or dtype != torch.float32:
+        raise ValueError(
+            f"{names} is not supported: a KV cache of another dtype than the activations' is "
+            "bfloat16 under float32 activations only (use kv_cache_dtype auto)"
+        )
+    return kv
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # How the projection weights are held (``--quantization``): "none" (dense, in the dtype), "gguf"
 # (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, as the file has them), or quantized at load: "int8"
 # (per output channel, symmetric), "q8_0", "q4_1", "q4_0" (GGUF's block formats). "auto" (the
@@ -71,6 +111,7 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
     resident: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (or bf16, fp32): resolve_kv_cache_dtype
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -82,6 +123,11 @@ class CacheConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
+                f"{', '.join(KV_CACHE_DTYPES)} (or bf16, fp32)"
             )
 
 
@@ -130,7 +176,14 @@ class EngineConfig:
             raise ValueError("quantized weights run on the CPU only; use --quantization none")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.cache.kv_cache_dtype != "auto":
+            self.kv_torch_dtype  # noqa: B018 - ValueError now for a combination refused
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pools' dtype (``cache.kv_cache_dtype`` resolved against ``torch_dtype``)."""
+        return resolve_kv_cache_dtype(self.cache.kv_cache_dtype, self.torch_dtype, self.device)

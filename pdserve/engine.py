@@ -70,7 +70,8 @@ class LLMEngine:
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        self.dtype = config.torch_dtype
+        self.dtype = config.torch_dtype  # the activations'
+        self.kv_dtype = config.kv_torch_dtype  # the KV pools' (--kv-cache-dtype)
         self.runner = ModelRunner(
             folder,
             self.model_config,
@@ -80,6 +81,7 @@ class LLMEngine:
             self.max_model_len,
             config.quantization,
             config.scheduler.max_num_seqs,
+            self.kv_dtype,
         )
         self.allocator = BlockAllocator(self.runner.pool.num_blocks)
         self.scheduler = Scheduler(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,19 @@ class LLM:
         seed: int = 0,
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        """``kv_cache_dtype``: the KV cache's dtype, as ``CacheConfig.kv_cache_dtype`` ("auto":
+        the model's ``dtype``; "bfloat16" under a float32 model on the CPU); given here, it sets
+        that of ``cache``."""
+        cache = cache or CacheConfig()
+        if kv_cache_dtype is not None:
+            if cache.kv_cache_dtype not in ("auto", kv_cache_dtype):
+                raise ValueError(
+                    f"kv_cache_dtype={kv_cache_dtype!r} and cache.kv_cache_dtype="
+                    f"{cache.kv_cache_dtype!r} disagree; give one"
+                )
+            cache = dataclasses.replace(cache, kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,
@@ -42,7 +55,7 @@ class LLM:
                 device=device,
                 threads=threads,
                 seed=seed,
-                cache=cache or CacheConfig(),
+                cache=cache,
                 scheduler=scheduler or SchedulerConfig(),
             )
         )

@@ -92,16 +92,19 @@ class ModelRunner:
         max_model_len: int,
         quantization: str = "none",
         max_num_seqs: int = 256,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: the KV pools' (``EngineConfig.kv_torch_dtype``); None: ``dtype``."""
         self.cfg = cfg
         self.device = device
         self.block_size = cache.block_size
         self.model = load_model(folder, cfg, dtype, device, max_model_len, quantization)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.pool = KVCachePool(
             cfg,
-            num_blocks_for(cfg, cache, dtype, device),
+            num_blocks_for(cfg, cache, kv_dtype, device),
             cache.block_size,
-            dtype,
+            kv_dtype,
             device,
             resident=cache.resident,
         )

@@ -12,7 +12,8 @@ from pdserve.model.config import ModelConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens."""
+    """K and V of every layer for one block of tokens, in the KV cache's ``dtype`` (which may
+    differ from the model's: ``CacheConfig.kv_cache_dtype``)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
 
@@ -65,6 +66,7 @@ def _gib(n: int) -> str:
 def num_blocks_for(
     model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
+    """Blocks of the KV cache's ``dtype`` that the budget holds."""
     budget = cache.kv_cache_bytes
     if budget is None:
         budget = int(_device_memory_bytes(device) * cache.kv_cache_memory_fraction)
@@ -79,7 +81,8 @@ def num_blocks_for(
 
 
 class KVCachePool:
-    """Owns the KV memory of one worker; blocks are handed out by a ``BlockAllocator``."""
+    """Owns the KV memory of one worker; blocks are handed out by a ``BlockAllocator``. ``dtype``
+    is the KV cache's (``EngineConfig.kv_torch_dtype``), not necessarily the model's."""
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class KVCachePool:
         process while mapping it, with no word why)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         if resident and device.type == "cpu":
             nbytes = bytes_per_block(model, block_size, dtype) * num_blocks
