@@ -303,6 +303,7 @@ def run_offline_bench(args) -> dict:
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=False,
             resident=args.kv_resident,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_seqs,
@@ -323,6 +324,7 @@ def run_offline_bench(args) -> dict:
         "machine": machine_description(args.device),
         "model": args.model,
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "kv_dtype": str(engine.kv_dtype).replace("torch.", ""),
         "quantization": engine.runner.model.quantization,  # "auto" resolved
         "weight_bytes": engine.runner.weight_bytes(),
         "prompt_len": args.prompt_len,
@@ -364,7 +366,8 @@ def run_offline_bench(args) -> dict:
             result["launches_per_decode_step"] = {"error": repr(exc)}
     print(f"machine: {result['machine']}")
     print(
-        f"model: {args.model} ({result['dtype']}, weights {result['quantization']}, "
+        f"model: {args.model} ({result['dtype']}, KV {result['kv_dtype']}, "
+        f"weights {result['quantization']}, "
         f"{result['weight_bytes'] / 1e6:.0f} MB), prompt {args.prompt_len} tokens, {args.output_len} new"
     )
     print(

@@ -20,7 +20,7 @@ def _size(text: str) -> int:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's settings; defaults are the config dataclasses' own."""
-    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.model.fetch import DEFAULT_MODEL
 
     p.add_argument(
@@ -55,6 +55,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV pool size, e.g. 2G or 512M (default: 10%% of memory)",
     )
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=CacheConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES + ("bf16", "fp32"),
+        help="the KV cache's dtype: auto (default: the model's --dtype), or bfloat16 under a "
+        "float32 model on the CPU (half the KV bytes a step reads, twice the blocks a "
+        "--kv-cache-bytes holds), or float32",
+    )
     p.add_argument(
         "--lazy-kv-cache",
         dest="kv_resident",
@@ -93,6 +101,7 @@ def _llm_from(args):
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=args.prefix_caching,
             resident=args.kv_resident,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

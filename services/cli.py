@@ -31,6 +31,7 @@ def engine_config(args) -> EngineConfig:
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=args.prefix_caching,
             resident=args.kv_resident,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

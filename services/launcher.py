@@ -129,6 +129,7 @@ def engine_argv(args) -> list[str]:
     it sets per worker) as a worker's arguments."""
     argv = ["--model", args.model, "--dtype", args.dtype, "--quantization", args.quantization]
     argv += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs)]
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.kv_cache_bytes:
         argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
