@@ -102,7 +102,7 @@ def kv_layout(engine: LLMEngine, model_name: str):
     cfg = engine.model_config
     return KVLayout(
         model=model_name,
-        dtype=engine.dtype,
+        dtype=engine.runner.pool.dtype,  # the KV cache's (--kv-cache-dtype), not the model's
         block_size=engine.scheduler.block_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
@@ -354,6 +354,7 @@ async def serve_worker(opts: WorkerOptions) -> None:
         address=server.address,
         metrics=server.metrics_address,
         kv_blocks=server.engine.allocator.num_blocks,
+        kv_dtype=str(server.engine.kv_dtype).removeprefix("torch."),
         tracing=telemetry.tracing_enabled(),
     )
     try:

@@ -102,7 +102,7 @@ class KVLayout:
 
     def describe(self) -> str:
         return (
-            f"{self.model} {_dtype_name(self.dtype)} block_size={self.block_size} "
+            f"{self.model} KV {_dtype_name(self.dtype)} block_size={self.block_size} "
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim}"
         )
 
@@ -225,7 +225,8 @@ class LayerHeader:
                 f"transfer {self.transfer_id} layer {self.layer}: sender KV layout "
                 f"(hash {self.layout_hash}, dtype/[block_size, kv_heads, head_dim]/layers {theirs}) "
                 f"does not match this worker's {layout.describe()} (hash {layout.compat_hash}, {ours}); "
-                "prefill and decode must serve the same model, dtype and block size"
+                "prefill and decode must serve the same model, dtype and block size, with the "
+                "same KV cache dtype (--kv-cache-dtype)"
             )
         if not 0 <= self.layer < self.num_layers:
             raise HeaderMismatchError(
@@ -263,7 +264,8 @@ def unpack_address(blob: bytes, layout: KVLayout) -> bytes:
     if lhash.hex() != layout.compat_hash:
         raise HeaderMismatchError(
             f"peer KV layout hash {lhash.hex()} differs from this worker's {layout.compat_hash} "
-            f"({layout.describe()}); prefill and decode must serve the same model, dtype, block size"
+            f"({layout.describe()}); prefill and decode must serve the same model, dtype, block size "
+            "and KV cache dtype (--kv-cache-dtype)"
         )
     return blob[_ADDRESS_PREFIX.size :]
 

@@ -189,7 +189,8 @@ class WorkerRegistry:
         if expected is not None and compat_hash != expected:
             raise LayoutMismatchError(
                 f"worker {worker_id} at {address} has KV layout {compat_hash}, but the workers already "
-                f"registered have {expected}: start every worker with the same model, dtype and block size"
+                f"registered have {expected}: start every worker with the same model, dtype and block size, "
+                "and the same KV cache dtype (--kv-cache-dtype)"
             )
         old = self.workers.get(worker_id)
         if old is not None and old.address == address and old.role == role:

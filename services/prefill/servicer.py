@@ -37,11 +37,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             d.num_cached_blocks,
             request.decode_idle,
         )
-        compat_hash = self.worker.transport.layout.compat_hash
-        if d.compat_hash and d.compat_hash != compat_hash:
+        layout = self.worker.transport.layout
+        if d.compat_hash and d.compat_hash != layout.compat_hash:
             raise HeaderMismatchError(
                 f"decode worker's KV layout {d.compat_hash} differs from this prefill "
-                f"worker's {compat_hash}"
+                f"worker's {layout.compat_hash} ({layout.describe()}): prefill and decode must "
+                "serve the same model, dtype, block size and KV cache dtype (--kv-cache-dtype)"
             )
         out, stats, overlap = await self.worker.prefill(
             request.request_id,
