@@ -114,16 +114,24 @@ def bench_decode(dtype: torch.dtype, repeats: int) -> None:
 
 
 def bench_decode_cold(
-    dtype: torch.dtype, repeats: int, num_seqs: int = 32, layers: int = 30
+    dtype: torch.dtype,
+    repeats: int,
+    num_seqs: int = 32,
+    layers: int = 30,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """The C decode kernel as a decode step meets it: 30 layers' pools (~440 MB in bf16 at 32
-    sequences), each layer's K/V read once per pass, so it comes from memory, not from the L3."""
+    sequences), each layer's K/V read once per pass, so it comes from memory, not from the L3.
+    ``kv_dtype``: the pools' (bf16 under an fp32 query: ``--kv-cache-dtype``); None: ``dtype``."""
     context_len, num_heads, num_kv_heads, head_dim = 576, 9, 3, 64
-    pools = [make_pool(num_seqs, context_len, num_kv_heads, head_dim, dtype) for _ in range(layers)]
+    kv_dtype = kv_dtype or dtype
+    pools = [
+        make_pool(num_seqs, context_len, num_kv_heads, head_dim, kv_dtype) for _ in range(layers)
+    ]
     block_tables = pools[0][2]  # one table for every layer, as in the engine
     q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
     context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32)
-    kv_bytes = 2 * num_seqs * context_len * num_kv_heads * head_dim * q.element_size()
+    kv_bytes = 2 * num_seqs * context_len * num_kv_heads * head_dim * kv_dtype.itemsize
 
     def step() -> None:
         for k_cache, v_cache, _ in pools:
@@ -132,8 +140,9 @@ def bench_decode_cold(
             )
 
     ms = median_ms(step, max(3, repeats // 10)) / layers
+    kinds = str(dtype)[6:] if kv_dtype == dtype else f"{str(dtype)[6:]}/{str(kv_dtype)[6:]}"
     print(
-        f"  decode {str(dtype)[6:]:8s} {'C, from memory':14s} {ms:8.3f} ms/layer "
+        f"  decode {kinds:8s} {'C, from memory':14s} {ms:8.3f} ms/layer "
         f"{kv_bytes / ms / 1e6:7.1f} GB/s of KV   ({layers} layers' pools, {num_seqs} x "
         f"{context_len} tokens)"
     )
@@ -334,6 +343,8 @@ def main() -> None:
     if "attention" in sections:  # bf16 where it is the default, fp32 elsewhere; and batch 1
         for dtype, num_seqs in ((torch.bfloat16, 32), (torch.float32, 32), (torch.float32, 1)):
             bench_decode_cold(dtype, args.repeats, num_seqs)
+            if dtype == torch.float32:  # and over bf16 pools (--kv-cache-dtype bfloat16)
+                bench_decode_cold(dtype, args.repeats, num_seqs, kv_dtype=torch.bfloat16)
     for dtype in dtypes if "prefill" in sections else ():
         bench_prefill(dtype, args.repeats)
     for dtype in dtypes if "copies" in sections else ():

@@ -50,20 +50,27 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         ) from None
 
 
-# The KV cache's element type (``--kv-cache-dtype``): "auto" is the activation dtype; bf16 pools
-# under an fp32 model halve the bytes a decode step reads of the KV cache and double the blocks a
-# budget holds (the attention reads them into fp32). Aliases as for ``DTYPES``.
+# The KV cache's element type (``--kv-cache-dtype``): "auto" is the activation dtype, except under
+# an fp32 model with quantized projections on the CPU (the fast path of CPUs without native bf16),
+# which keeps bf16 pools as llama.cpp keeps f16 ones; bf16 pools under an fp32 model halve the bytes
+# a decode step reads of the KV cache and double the blocks a budget holds (the attention reads
+# them into fp32). Aliases as for ``DTYPES``.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: str) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    name: str, dtype: torch.dtype, device: str, quantization: str = "none"
+) -> torch.dtype:
     """The KV pools' dtype for ``--kv-cache-dtype name`` under a model computing in ``dtype`` on
-    ``device``. "auto": ``dtype``. Besides that, only bf16 pools under fp32 activations on the CPU:
+    ``device`` with its projections held as ``quantization`` (resolved: not "auto"). "auto":
+    ``dtype``, or bf16 for an fp32 model with quantized projections on the CPU. Besides that, only bf16 pools under fp32 activations on the CPU:
     on CUDA the Triton kernels take one dtype (rope/write falls back to torch, prefill attention
     does not mix them), and no kernel reads fp32 pools with bf16 queries fast (refused rather than
     run on the reference path). ValueError otherwise, saying what is allowed."""
     if name == "auto":
-        return dtype
+        quantized = quantization not in ("none", "auto")
+        cpu = torch.device(device).type == "cpu"
+        return torch.bfloat16 if dtype == torch.float32 and cpu and quantized else dtype
     if name not in DTYPES:
         raise ValueError(
             f"kv_cache_dtype {name!r} is not supported; use one of: {', '.join(KV_CACHE_DTYPES)} "
@@ -184,6 +191,10 @@ class EngineConfig:
         return resolve_dtype(self.dtype, self.device)
 
     @property
-    def kv_torch_dtype(self) -> torch.dtype:
-        """The KV pools' dtype (``cache.kv_cache_dtype`` resolved against ``torch_dtype``)."""
+    def kv_torch_dtype(self) -> torch.dtype | None:
+        """The KV pools' dtype (``cache.kv_cache_dtype`` resolved against ``torch_dtype``); None
+        for "auto", which the runner resolves once the model's weights are loaded (it depends on
+        whether they are quantized)."""
+        if self.cache.kv_cache_dtype == "auto":
+            return None
         return resolve_kv_cache_dtype(self.cache.kv_cache_dtype, self.torch_dtype, self.device)

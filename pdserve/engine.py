@@ -71,7 +71,6 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.dtype = config.torch_dtype  # the activations'
-        self.kv_dtype = config.kv_torch_dtype  # the KV pools' (--kv-cache-dtype)
         self.runner = ModelRunner(
             folder,
             self.model_config,
@@ -81,8 +80,9 @@ class LLMEngine:
             self.max_model_len,
             config.quantization,
             config.scheduler.max_num_seqs,
-            self.kv_dtype,
+            config.kv_torch_dtype,
         )
+        self.kv_dtype = self.runner.pool.dtype  # the KV pools' (--kv-cache-dtype, auto resolved)
         self.allocator = BlockAllocator(self.runner.pool.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,

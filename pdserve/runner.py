@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pdserve import envs, kernels
-from pdserve.config import CacheConfig
+from pdserve.config import CacheConfig, resolve_kv_cache_dtype
 from pdserve.decode_graphs import DecodeGraphs
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
@@ -94,12 +94,14 @@ class ModelRunner:
         max_num_seqs: int = 256,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """``kv_dtype``: the KV pools' (``EngineConfig.kv_torch_dtype``); None: ``dtype``."""
+        """``kv_dtype``: the KV pools' (``EngineConfig.kv_torch_dtype``); None: "auto"'s for the
+        loaded model (``resolve_kv_cache_dtype``)."""
         self.cfg = cfg
         self.device = device
         self.block_size = cache.block_size
         self.model = load_model(folder, cfg, dtype, device, max_model_len, quantization)
-        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype is None:
+            kv_dtype = resolve_kv_cache_dtype("auto", dtype, device.type, self.model.quantization)
         self.pool = KVCachePool(
             cfg,
             num_blocks_for(cfg, cache, kv_dtype, device),

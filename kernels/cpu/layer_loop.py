@@ -17,8 +17,8 @@ covers what those kernels cover natively: bf16 weights and KV pools on a CPU wit
 ``gemm.hybrid_weight``s (``pdserve_linear_hybrid``: the blocks or the packed copy by rows of x),
 or all quantized (``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``). An fp32 model whose projections are all
 quantized (the AVX2 machines' fast path: ``--quantization gguf`` or int8) runs its decode-only
-steps here on any CPU (``decode_only``: fp32 prefill attention is torch's, so steps with prefill
-tokens take the module path); at batch 1 on a 2-core Zen 3 the module path's Python and kernel
+steps here on any CPU, over fp32 or bf16 KV pools (``--kv-cache-dtype``; ``decode_only``: fp32
+prefill attention is torch's, so steps with prefill tokens take the module path); at batch 1 on a 2-core Zen 3 the module path's Python and kernel
 entry points were ~9 ms of a 27 ms step. ``compile_layer_loop(model)`` returns None otherwise
 and the module path runs.
 """

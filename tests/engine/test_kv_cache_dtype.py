@@ -1,5 +1,6 @@
 """A KV cache dtype of its own (``--kv-cache-dtype``, ``CacheConfig.kv_cache_dtype``): "auto" is
-the activation dtype, as before; "bfloat16" under an fp32 model on the CPU allocates bf16 pools
+the activation dtype, except bf16 under an fp32 model with quantized projections on the CPU;
+"bfloat16" under an fp32 model on the CPU allocates bf16 pools
 (twice the blocks for the same bytes, half the KV bytes a step reads) and its greedy output stays
 the fp32 cache's on the default model. Mixes no kernel takes are refused up front. Over UCX
 between real processes: tests/e2e/test_kv_cache_dtype_ucx.py."""
@@ -44,6 +45,12 @@ def test_auto_is_the_activation_dtype_and_bf16_goes_under_fp32_on_the_cpu_only()
     for dtype in (F32, BF16):
         for device in ("cpu", "cuda", "cuda:1"):
             assert resolve_kv_cache_dtype("auto", dtype, device) == dtype
+            assert resolve_kv_cache_dtype("auto", dtype, device, "none") == dtype
+    # quantized projections under fp32 activations on the CPU (no native bf16): a bf16 cache
+    for quantization in ("gguf", "int8", "q4_1"):
+        assert resolve_kv_cache_dtype("auto", F32, "cpu", quantization) == BF16
+        assert resolve_kv_cache_dtype("auto", BF16, "cpu", quantization) == BF16
+    assert resolve_kv_cache_dtype("float32", F32, "cpu", "gguf") == F32  # asked for: kept
     for name in ("bfloat16", "bf16"):
         assert resolve_kv_cache_dtype(name, F32, "cpu") == BF16
         assert resolve_kv_cache_dtype(name, BF16, "cuda") == BF16  # the same dtype: fine anywhere
@@ -62,7 +69,7 @@ def test_auto_is_the_activation_dtype_and_bf16_goes_under_fp32_on_the_cpu_only()
         )
     cfg = EngineConfig("m", dtype="float32", cache=CacheConfig(kv_cache_dtype="bfloat16"))
     assert (cfg.torch_dtype, cfg.kv_torch_dtype) == (F32, BF16)
-    assert EngineConfig("m", dtype="float32").kv_torch_dtype == F32
+    assert EngineConfig("m", dtype="float32").kv_torch_dtype is None  # auto: once weights load
 
 
 @pytest.mark.parametrize("argv", [["prefill"], ["up"], ["bench", "offline"], ["generate", "hi"]])
@@ -191,3 +198,12 @@ def test_default_model_greedy_tokens_with_bf16_kv_equal_fp32_kv(default_model_ou
     assert max(first) < FIRST_TOKEN_BOUND
     assert max(every) < ANY_TOKEN_BOUND
     assert max(every) > 0  # the bf16 rounding is there: the pools really are bf16
+
+
+def test_the_default_model_keeps_a_bf16_kv_cache_by_default(default_model_dir):
+    """With every default (fp32 and its GGUF blocks where the CPU lacks native bf16, bf16
+    activations where it has them), the KV cache is bf16 on every CPU."""
+    llm = LLM(DEFAULT_MODEL, threads=1, cache=CacheConfig(kv_cache_bytes=8 << 20))
+    engine = llm.engine
+    assert engine.kv_dtype == engine.runner.pool.dtype == BF16
+    assert engine.dtype == BF16 or engine.runner.model.quantization != "none"

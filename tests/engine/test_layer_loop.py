@@ -236,14 +236,16 @@ def test_bad_prefill_block_ids_are_refused_without_a_crash(tmp_path):
 
 @needs_quant
 @pytest.mark.parametrize(
-    "which,quantization", [("default", "gguf"), ("llama", "int8"), ("qwen2-bias", "q4_1")]
+    "which,quantization,kv",
+    [("default", "gguf", "auto"), ("llama", "int8", "float32"), ("qwen2-bias", "q4_1", "auto")],
 )
 def test_quantized_fp32_decode_steps_run_the_loop_bit_for_bit(
-    default_model_dir, tmp_path, monkeypatch, which, quantization
+    default_model_dir, tmp_path, monkeypatch, which, quantization, kv
 ):
     """An fp32 model with quantized projections (AVX2 machines' fast path): a continuously
     batched workload's decode steps go through the loop with the module path's logits bit for
-    bit; steps with prefill tokens take the module path (fp32 prefill attention is torch's)."""
+    bit; steps with prefill tokens take the module path (fp32 prefill attention is torch's).
+    Over bf16 KV pools (``auto`` for such a model) and fp32 ones."""
     model = (
         str(default_model_dir)
         if which == "default"
@@ -254,10 +256,11 @@ def test_quantized_fp32_decode_steps_run_the_loop_bit_for_bit(
         dtype="float32",
         quantization=quantization,
         threads=2,
-        cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20),
+        cache=CacheConfig(block_size=16, kv_cache_bytes=64 << 20, kv_cache_dtype=kv),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48),
     )
     engine = llm.engine
+    assert engine.kv_dtype == (torch.float32 if kv == "float32" else torch.bfloat16)
     model = engine.runner.model
     loop = model._layer_loop()
     assert loop is not None and loop.decode_only
