@@ -7,10 +7,10 @@ import json
 
 import grpc
 import pytest
+import torch
 from pdserve.services.launcher import stop_processes
 
 from pdserve import Client, SamplingParams
-from pdserve.config import resolve_dtype
 from pdserve.model.config import ModelConfig
 from pdserve.otlp_sink import SpanSink
 from pdserve.transfer import KVLayout
@@ -75,7 +75,7 @@ def _kv_bytes(model_dir, num_prompt_tokens: int, block_size: int = 16) -> int:
     cfg = ModelConfig.from_file(model_dir / "config.json")
     layout = KVLayout(
         model=model_dir.name,
-        dtype=resolve_dtype("auto", "cpu"),
+        dtype=torch.bfloat16,  # the default model's KV cache on every CPU (--kv-cache-dtype auto)
         block_size=block_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
