@@ -59,9 +59,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default=CacheConfig.kv_cache_dtype,
         choices=KV_CACHE_DTYPES + ("bf16", "fp32"),
-        help="the KV cache's dtype: auto (default: the model's --dtype), or bfloat16 under a "
-        "float32 model on the CPU (half the KV bytes a step reads, twice the blocks a "
-        "--kv-cache-bytes holds), or float32",
+        help="the KV cache's dtype: auto (default: the model's --dtype, but bfloat16 under a "
+        "float32 model with quantized weights on the CPU, as the default model is on CPUs "
+        "without native bf16), bfloat16 (under a float32 model on the CPU: half the KV bytes a "
+        "step reads, twice the blocks a --kv-cache-bytes holds), or float32",
     )
     p.add_argument(
         "--lazy-kv-cache",

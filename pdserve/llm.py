@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.fetch import DEFAULT_MODEL
 from pdserve.outputs import RequestOutput, TokenLogprobs
@@ -37,11 +37,12 @@ class LLM:
         kv_cache_dtype: str | None = None,
     ) -> None:
         """``kv_cache_dtype``: the KV cache's dtype, as ``CacheConfig.kv_cache_dtype`` ("auto":
-        the model's ``dtype``; "bfloat16" under a float32 model on the CPU); given here, it sets
-        that of ``cache``."""
+        the model's ``dtype``, or bf16 under a float32 model with quantized weights on the CPU;
+        "bfloat16" under any float32 model on the CPU); given here, it sets that of ``cache``."""
         cache = cache or CacheConfig()
         if kv_cache_dtype is not None:
-            if cache.kv_cache_dtype not in ("auto", kv_cache_dtype):
+            same = DTYPES.get(cache.kv_cache_dtype) == DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+            if cache.kv_cache_dtype != "auto" and not same:
                 raise ValueError(
                     f"kv_cache_dtype={kv_cache_dtype!r} and cache.kv_cache_dtype="
                     f"{cache.kv_cache_dtype!r} disagree; give one"

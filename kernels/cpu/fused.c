@@ -47,10 +47,10 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-static inline uint16_t to_bf16(float f) { /* f already rounded to a bf16 value */
+static inline uint16_t to_bf16(float f) { /* f already rounded to a bf16 value; NaN: 0x7FC0 */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    return (uint16_t)(u >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)(u >> 16); /* torch's */
 }
 
 static inline float same(float f) { return f; }

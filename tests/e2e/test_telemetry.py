@@ -11,7 +11,9 @@ import torch
 from pdserve.services.launcher import stop_processes
 
 from pdserve import Client, SamplingParams
+from pdserve.config import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.model.config import ModelConfig
+from pdserve.model.quantize import resolve_quantization
 from pdserve.otlp_sink import SpanSink
 from pdserve.transfer import KVLayout
 from pdserve.transfer.header import HEADER_NBYTES
@@ -71,11 +73,18 @@ def _trace_of(sink: SpanSink, request_id: str, names=SPAN_NAMES) -> dict[str, di
     return by_name
 
 
+def _kv_dtype(model_dir) -> torch.dtype:
+    """The workers' KV cache dtype: --kv-cache-dtype auto, resolved as their runner does."""
+    dtype = resolve_dtype("auto", "cpu")
+    quantization = resolve_quantization("auto", model_dir, dtype, "cpu")
+    return resolve_kv_cache_dtype("auto", dtype, "cpu", quantization)
+
+
 def _kv_bytes(model_dir, num_prompt_tokens: int, block_size: int = 16) -> int:
     cfg = ModelConfig.from_file(model_dir / "config.json")
     layout = KVLayout(
         model=model_dir.name,
-        dtype=torch.bfloat16,  # the default model's KV cache on every CPU (--kv-cache-dtype auto)
+        dtype=_kv_dtype(model_dir),
         block_size=block_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,

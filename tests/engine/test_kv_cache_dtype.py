@@ -79,10 +79,13 @@ def test_every_engine_command_takes_the_kv_cache_dtype(argv):
     assert build_parser().parse_args(argv).kv_cache_dtype == CacheConfig.kv_cache_dtype == "auto"
 
 
-def test_the_llm_kwarg_sets_the_caches_and_a_disagreeing_one_is_refused(tiny_model):
+def test_an_llm_kwarg_disagreeing_with_the_cache_config_is_refused(tiny_model):
     folder, _ = tiny_model("gqa_untied")
     with pytest.raises(ValueError, match="disagree"):
         LLM(str(folder), cache=CacheConfig(kv_cache_dtype="float32"), kv_cache_dtype="bfloat16")
+    cache = CacheConfig(kv_cache_bytes=KV_BYTES, kv_cache_dtype="bf16")  # an alias agrees
+    llm = LLM(str(folder), dtype="float32", threads=1, cache=cache, kv_cache_dtype="bfloat16")
+    assert llm.engine.kv_dtype == BF16
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +127,19 @@ def test_tiny_model_with_bf16_kv_reuses_prefixes_and_frees_every_block(tiny_engi
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1] + list(range(40, 80)), [1] + list(range(40, 72)) + [9, 9, 9]]  # 2 blocks shared
     want = [o.token_ids for o in auto.generate(prompts, params)]
-    first = bf16.generate(prompts[:1], params)[0]
-    second = bf16.generate(prompts[1:], params)[0]
-    # random weights with peaky logits: greedy far from ties, bf16 K/V do not change a token
-    assert [first.token_ids, second.token_ids] == want
     engine = bf16.engine
+    # random weights with peaky logits: greedy far from ties, bf16 K/V do not change a token
+    assert bf16.generate(prompts[:1], params)[0].token_ids == want[0]
     assert engine.num_free_blocks == engine.allocator.num_blocks  # nothing leaked
-    again = engine.add_request(prompts[1], params)
-    cached = []
+    second = engine.add_request(prompts[1], params)
+    cached, tokens = [], []
     while engine.has_unfinished_requests():
-        cached += [o.num_cached_tokens for o in engine.step() if o.request_id == again]
-    assert max(cached) == 32  # the shared prefix's 2 blocks came from the prefix cache
+        for o in engine.step():
+            if o.request_id == second:
+                cached.append(o.num_cached_tokens)
+                tokens += o.new_token_ids
+    assert max(cached) == 32  # the 2 blocks it shares with the first prompt: from the cache
+    assert tokens == want[1]  # and decoded over them as over its own
     assert engine.num_free_blocks == engine.allocator.num_blocks
 
 

@@ -28,12 +28,15 @@ INT8_MAX_LOGPROB_DIFF = 0.3
 
 
 def make_llm(quantization: str, dtype: str = "float32") -> LLM:
+    """The default model; an fp32 one keeps an fp32 KV cache (auto's is bf16 under quantized
+    weights), so that comparisons with the dense model measure the weights alone."""
+    kv = "float32" if dtype == "float32" else "auto"
     return LLM(
         DEFAULT_MODEL,
         dtype=dtype,
         quantization=quantization,
         threads=2,
-        cache=CacheConfig(kv_cache_bytes=128 << 20),
+        cache=CacheConfig(kv_cache_bytes=128 << 20, kv_cache_dtype=kv),
     )
 
 
@@ -198,7 +201,7 @@ def test_quantized_at_load_on_small_models(tiny_model, kind, mode):
             dtype="float32",
             quantization=q,
             threads=1,
-            cache=CacheConfig(kv_cache_bytes=16 << 20),
+            cache=CacheConfig(kv_cache_bytes=16 << 20, kv_cache_dtype="float32"),  # weights alone
         )
         model = llm.engine.runner.model
         if q != "none":

@@ -82,6 +82,8 @@ def test_decode_attention_over_bf16_pools_equals_the_widened_pools(
 
 @needs_compiler
 def test_prefill_attention_over_bf16_pools_equals_the_widened_pools(paged_case):
+    """fp32 prefill attention is torch's SDPA on the gathered context: this holds that the bf16
+    context is widened to the query's dtype first (no C code of its own)."""
     lens, new = [40, 300], [40, 7]  # the second sequence has a cached prefix
     case = paged_case(lens, 3, 64, 16, torch.bfloat16, seed=2)
     q = torch.randn(sum(new), 9, 64, generator=torch.Generator().manual_seed(6))
