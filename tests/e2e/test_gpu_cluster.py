@@ -13,43 +13,26 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-from pdserve.services.launcher import stop_processes
 
-from bench.random_model import write_word_tokenizer
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
-from tests.e2e.cluster import Up, start_cluster
-from tests.engine.conftest import build_tiny_model
+from tests.e2e.cluster import Up
+from tests.e2e.tiny import BLOCK, prompt, tiny_model_folder, tiny_pair
 from tests.gpu import DEVICES
 from tests.helpers import assert_no_leaks, metric_value
-
-VOCAB = 512  # build_tiny_model's; ids 1 and 2 are its bos and eos
-BLOCK = 16  # the workers' KV block size (the default)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gpu-served-tiny")
-    build_tiny_model(folder, "gqa_untied")
-    write_word_tokenizer(folder, VOCAB)
-    return folder
+    return tiny_model_folder(tmp_path_factory, "gpu-served-tiny")
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def cluster(request, model):
     """The workers on the device (the CPU run proves the test itself, everywhere)."""
-    c = start_cluster("--model", str(model))
-    c.device = request.param
-    try:
-        for role in ("prefill", "decode"):
-            c.start_worker(role, role, "--model", str(model), "--device", c.device)
+    with tiny_pair(model, "--device", request.param) as c:
+        c.device = request.param
         yield c
-    finally:
-        stop_processes(c.procs)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [1] + [3 + (seed * 7 + i * 13) % (VOCAB - 3) for i in range(length - 1)]
 
 
 def test_greedy_tokens_equal_one_engine_on_the_device_and_a_shared_prefix_is_reused(model, cluster):

@@ -14,44 +14,28 @@ import sys
 
 import pytest
 import torch
-from pdserve.services.launcher import stop_processes
 
-from bench.random_model import write_word_tokenizer
 from pdserve import LLM, Client, SamplingParams
 from pdserve.config import CacheConfig
 from pdserve.kv_cache.pool import bytes_per_block
 from pdserve.model.config import ModelConfig
-from tests.e2e.cluster import UCX_ENV, WORKER_ARGS, start_cluster
-from tests.engine.conftest import build_tiny_model
+from tests.e2e.cluster import UCX_ENV, WORKER_ARGS
+from tests.e2e.tiny import BLOCK, prompt, tiny_model_folder, tiny_pair
 from tests.helpers import assert_no_leaks, metric_value
 
-VOCAB = 512  # build_tiny_model's; ids 1 and 2 are its bos and eos
-BLOCK = 16  # the workers' KV block size (the default)
 BF16_KV = ("--dtype", "float32", "--kv-cache-dtype", "bfloat16")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kv-bf16-tiny")
-    build_tiny_model(folder, "gqa_untied")
-    write_word_tokenizer(folder, VOCAB)
-    return folder
+    return tiny_model_folder(tmp_path_factory, "kv-bf16-tiny")
 
 
 @pytest.fixture(scope="module")
 def cluster(model):
     """A gateway, a prefill and a decode worker, both fp32 with bf16 KV pools."""
-    c = start_cluster("--model", str(model))
-    try:
-        for role in ("prefill", "decode"):
-            c.start_worker(role, role, "--model", str(model), *BF16_KV)
+    with tiny_pair(model, *BF16_KV) as c:
         yield c
-    finally:
-        stop_processes(c.procs)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [1] + [3 + (seed * 7 + i * 13) % (VOCAB - 3) for i in range(length - 1)]
 
 
 def test_bf16_kv_disaggregated_over_ucx_decodes_the_tokens_of_one_bf16_kv_engine(model, cluster):
