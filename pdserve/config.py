@@ -63,24 +63,22 @@ def resolve_kv_cache_dtype(
 ) -> torch.dtype:
     """The KV pools' dtype for ``--kv-cache-dtype name`` under a model computing in ``dtype`` on
     ``device`` with its projections held as ``quantization`` (resolved: not "auto"). "auto":
-    ``dtype``, or bf16 for an fp32 model with quantized projections on the CPU. Besides that, only bf16 pools under fp32 activations on the CPU:
-    on CUDA the Triton kernels take one dtype (rope/write falls back to torch, prefill attention
-    does not mix them), and no kernel reads fp32 pools with bf16 queries fast (refused rather than
-    run on the reference path). ValueError otherwise, saying what is allowed."""
+    ``dtype``, or bf16 for an fp32 model with quantized projections on the CPU. Besides that,
+    only bf16 pools under fp32 activations on the CPU: on CUDA the Triton kernels take one dtype
+    (rope/write falls back to torch, prefill attention does not mix them), and no kernel reads
+    fp32 pools with bf16 queries fast (refused rather than run on the reference path).
+    ValueError otherwise, saying what is allowed."""
+    cpu = torch.device(device).type == "cpu"
     if name == "auto":
         quantized = quantization not in ("none", "auto")
-        cpu = torch.device(device).type == "cpu"
         return torch.bfloat16 if dtype == torch.float32 and cpu and quantized else dtype
     if name not in DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype {name!r} is not supported; use one of: {', '.join(KV_CACHE_DTYPES)} "
-            "(or bf16, fp32)"
-        )
+        raise _unsupported_kv_cache_dtype(name)
     kv = DTYPES[name]
     if kv == dtype:
         return kv
     names = f"a {_name(kv)} KV cache with {_name(dtype)} activations"
-    if device != "cpu":
+    if not cpu:
         raise ValueError(
             f"{names} is not supported on {device}: on CUDA the KV cache has the activation dtype "
             "(use kv_cache_dtype auto, or --dtype bfloat16)"
@@ -95,6 +93,13 @@ def resolve_kv_cache_dtype(
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _unsupported_kv_cache_dtype(name: str) -> ValueError:
+    return ValueError(
+        f"kv_cache_dtype {name!r} is not supported; use one of: {', '.join(KV_CACHE_DTYPES)} "
+        "(or bf16, fp32)"
+    )
 
 
 # How the projection weights are held (``--quantization``): "none" (dense, in the dtype), "gguf"
@@ -132,10 +137,7 @@ class CacheConfig:
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
             )
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
-                f"{', '.join(KV_CACHE_DTYPES)} (or bf16, fp32)"
-            )
+            raise _unsupported_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
