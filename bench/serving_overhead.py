@@ -2,13 +2,15 @@
 gateway against the offline batch-1 decode step of the same engine, side by side in one run.
 
 For each variant (an environment for the worker and the offline run, e.g. OpenMP's wait policy)
-and each round: ``pdserve bench offline --batch-sizes 1`` in its own process, then a gateway and
-one colocated worker (same dtype, quantization and threads) under W-c1 (8 requests, 1 user,
-prompts of 256-768 words, 128 output tokens, greedy, ignore_eos). Reported: the offline step,
-the served TPOT p50, their ratio (issue 14's target: within 1.10), and the worker's and gateway's
-CPU per output token. ``--shapes colocated,up`` serves the same load through ``pdserve up``'s
-shape too (a prefill and a decode worker pinned to a core each, borrowing each other's idle
-core: at one user the decode worker's steps run on both cores, as the offline step's threads).
+and each round: a gateway and one colocated worker (same dtype, quantization and threads) under
+W-c1 (8 requests, 1 user, prompts of 256-768 words, 128 output tokens, greedy, ignore_eos), then
+``pdserve bench offline --batch-sizes 1`` in its own process with prompts as long as the served
+ones were on average (the server's own count: ~680 tokens, where a step reads ~4 MB more KV than
+at 512). Reported: the offline step, the served TPOT p50, their ratio (issue 14's target: within
+1.10), and the worker's and gateway's CPU per output token. ``--shapes colocated,up`` serves the
+same load through ``pdserve up``'s shape too (a prefill and a decode worker pinned to a core
+each, borrowing each other's idle core: at one user the decode worker's steps run on both cores,
+as the offline step's threads).
 
     .venv/bin/python bench/serving_overhead.py --threads 2 --rounds 2 --variants default,passive
 """
@@ -50,11 +52,12 @@ def worker_args(variant: str) -> list[str] | None:
     return None
 
 
-def offline_step_ms(engine_args: list[str], env: dict[str, str]) -> float:
-    """The median batch-1 decode step of ``pdserve bench offline``, in its own process."""
+def offline_step_ms(engine_args: list[str], env: dict[str, str], prompt_len: int) -> float:
+    """The median batch-1 decode step of ``pdserve bench offline`` after a ``prompt_len``-token
+    prompt, in its own process."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "offline", *engine_args]
-        cmd += ["--batch-sizes", "1", "--prompt-len", "512", "--output-len", "128"]
+        cmd += ["--batch-sizes", "1", "--prompt-len", str(prompt_len), "--output-len", "128"]
         subprocess.run([*cmd, "--json", out.name], check=True, env={**os.environ, **env})
         with open(out.name) as f:
             return json.load(f)["decode"][0]["step_ms_median"]
@@ -92,15 +95,16 @@ def main() -> None:
         for variant, runs in rows.items():
             shape, _, name = variant.rpartition("/")
             env = VARIANTS.get(name, {})
-            step = offline_step_ms(engine, env)
             workers = streaming_args(shapes[shape or "colocated"], worker_args(name))
             s = run_cluster(workers, load, env=env)
+            step = offline_step_ms(engine, env, round(s["prompt_tokens_mean"]))
             tpot = s["tpot_s"]["p50"] * 1e3
             tokens = s["output_tokens_per_s"] * s["wall_s"]
             cpu_ms = s["cluster_cpu_s"] / max(tokens, 1) * 1e3
             runs.append({"offline_step_ms": step, "tpot_p50_ms": tpot, "cpu_ms_per_token": cpu_ms})
             print(
-                f"round {r} {variant:10s}: offline step {step:.1f} ms, served TPOT p50 {tpot:.1f} ms "
+                f"round {r} {variant:10s}: served TPOT p50 {tpot:.2f} ms, offline step "
+                f"{step:.2f} ms at {s['prompt_tokens_mean']:.0f} prompt tokens "
                 f"({tpot / step:.2f}x), cluster CPU {cpu_ms:.1f} ms per output token",
                 flush=True,
             )

@@ -43,6 +43,7 @@ WORDS = (
 @dataclass
 class RequestResult:
     prompt_words: int
+    prompt_tokens: int = 0  # as the server counted them (its usage), 0 when it sent none
     output_tokens: int = 0
     ttft: float = 0.0
     latency: float = 0.0
@@ -75,6 +76,8 @@ async def one_grpc_request(
     start = last = time.perf_counter()
     try:
         async for delta in stub.Generate(req, timeout=timeout, metadata=metadata):
+            if delta.HasField("usage"):
+                r.prompt_tokens = delta.usage.prompt_tokens
             if not delta.token_ids:
                 continue
             now = time.perf_counter()
@@ -119,6 +122,7 @@ async def one_http_request(
                     raise _HTTPError(f"{event['error'].get('code')}: {event['error']['message']}")
                 if event.get("usage"):
                     r.output_tokens = event["usage"]["completion_tokens"]
+                    r.prompt_tokens = event["usage"]["prompt_tokens"]
                 if not event.get("choices"):
                     continue
                 now = time.perf_counter()
@@ -165,6 +169,8 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "error_samples": sorted({r.error for r in results if r.error})[:3],
         "wall_s": wall,
         "output_tokens_per_s": out_tokens / wall,
+        # what the server counted (its usage): the offline step to compare with is at this length
+        "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else 0.0,
         "requests_per_s": len(ok) / wall,
         "ttft_s": percentiles([r.ttft for r in ok]),
         "tpot_s": percentiles(tpot),
