@@ -12,7 +12,7 @@ from pdserve.services.gateway.registry import Worker
 
 from pdserve import Client, SamplingParams
 from pdserve.v1 import worker_pb2
-from tests.helpers import assert_no_leaks
+from tests.helpers import assert_no_leaks, wait_until
 
 CFG = GatewayConfig(local_prefill_tokens=32, decode_prefill_budget_s=0.5)
 BUSY, DISAGGREGATED = placement.PREFILL_BUSY, placement.DISAGGREGATED
@@ -129,19 +129,27 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_ship
     with Client(c.address, timeout=60) as client:
         got_short = client.complete(short, params)
         got_long = client.complete(long, params)
+
         # what placement weighs: past its first token a request is a stream on its decode
         # worker, no longer a prompt at the prefill worker; both counts go back to 0 at its end
+        # (the gateway counts a request off when its call ends, just after the client has
+        # read the last token: waited for, not assumed)
+        def ended() -> bool:
+            return (p.prompts, d.streams) == (0, 0)
+
+        wait_until(ended, 10, "the requests before to end at the gateway")
         stream = client.generate_stream(long[1:], params)
         next(stream)
         assert (p.prompts, d.streams) == (0, 1)
         for _ in stream:
             pass
+        wait_until(ended, 10, "the disaggregated stream to end at the gateway")
         stream = client.generate_stream(short[1:], params)  # a local prefill
         next(stream)
-        assert d.streams == 1
+        assert (p.prompts, d.streams) == (0, 1)
         for _ in stream:
             pass
-    assert (p.prompts, d.streams) == (0, 0)
+    wait_until(ended, 10, "the local stream to end at the gateway")
     assert c.served("prefill-0") == 2  # the long ones
     assert c.served("decode-0") == 4
     assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 2
