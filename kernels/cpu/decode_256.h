@@ -1,6 +1,7 @@
 /*
  * Decode attention's tiles on AVX2 + FMA (no AVX-512): what decode_512.h gives decode_parts.h, for
- * an fp32 query over fp32 or bf16 pools (rows widened in registers) with head_dim 64 or 128, so that AVX2 machines walk a context as AVX-512 ones do
+ * an fp32 query over fp32 or bf16 pools (bf16 rows split into fp32 in registers) with head_dim 64 or
+ * 128, so that AVX2 machines walk a context as AVX-512 ones do
  * (parts of 128 tokens, every kv head, the next span prefetched over the tiles of this one). Part
  * of paged_attention.c, which includes it in its AVX2 section (it uses that file's v8f, reduce8,
  * exp8_nonpos and ATTN_UNROLL).
@@ -59,35 +60,62 @@ static inline sink64 touch64(sink64 s, const char *p) {
 }
 #define KEEP_SINK(s) __asm__ volatile("" : : "x"(s))
 
-/* 8 values of a pool row from element i: fp32, or (wide) bf16 widened to fp32 in the register. */
-static inline __attribute__((always_inline)) v8f row8(const void *r, int i, int wide) {
-    return wide ? widen_bf16_8((const uint16_t *)r + i) : load8f((const float *)r + i);
+/* bf16 pools under an fp32 query: 16 bf16 values split into fp32 without a shuffle, the even
+ * dimensions by a shift, the odd ones by a mask (decode_512.h's bf16_even / bf16_odd); the query
+ * and the outputs go in that order (decode_parts.h's split_dims). */
+#define SPLIT 16 /* dimensions per split: a register of bf16 values */
+static inline v8f bf16_even(__m256i x) { return (v8f)_mm256_slli_epi32(x, 16); }
+static inline v8f bf16_odd(__m256i x) {
+    return (v8f)_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline __m256i load16h(const void *r, int i) {
+    return _mm256_loadu_si256((const __m256i *)((const uint16_t *)r + i));
 }
 
 /* scores[t] = scale * q . k[t] for t < TOK (rows[t] valid for every t), one fp32 query head; rows
- * fp32, or bf16 (wide). */
-static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
-                                                          int hd, float scale, int wide) {
+ * fp32, or bf16 (split: q in split_dims' order). */
+static inline __attribute__((always_inline)) t16 qk16_any(const float *q, const void *const rows[TOK],
+                                                          int hd, float scale, int split) {
     v8f half[2];
     ATTN_UNROLL for (int i = 0; i < 2; i++) {
         v8f a[8];
         ATTN_UNROLL for (int j = 0; j < 8; j++) a[j] = splat8(0.0f);
-        ATTN_UNROLL for (int d = 0; d < 128; d += 8) {
+        ATTN_UNROLL for (int d = 0; d < 128; d += 16) {
             if (d >= hd) break;
-            const v8f qv = load8f(q + d);
-            ATTN_UNROLL for (int j = 0; j < 8; j++) a[j] += qv * row8(rows[8 * i + j], d, wide);
+            const v8f q0 = load8f(q + d), q1 = load8f(q + d + 8);
+            ATTN_UNROLL for (int j = 0; j < 8; j++) {
+                const void *r = rows[8 * i + j];
+                if (split) {
+                    const __m256i x = load16h(r, d);
+                    a[j] += q0 * bf16_even(x);
+                    a[j] += q1 * bf16_odd(x);
+                } else { /* as the 8 dimensions at a time it replaced: the same sums */
+                    a[j] += q0 * load8f((const float *)r + d);
+                    a[j] += q1 * load8f((const float *)r + d + 8);
+                }
+            }
         }
         half[i] = reduce8(a) * scale;
     }
     return (t16){(__m256)half[0], (__m256)half[1]};
 }
 
-/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh (<= 3) and tokens t < n, fp32 (bf16 rows
- * widened, wide): 32 output dimensions at a time, each V row's 32 loaded once and multiplied into
- * every head's. */
+static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
+                                                          int hd, float scale) {
+    return qk16_any(q, rows, hd, scale, 0);
+}
+
+static inline __attribute__((always_inline)) t16 qk16_split(const float *qs, const void *const rows[TOK],
+                                                            int hd, float scale) {
+    return qk16_any(qs, rows, hd, scale, 1);
+}
+
+/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh (<= 3) and tokens t < n, fp32 (split: bf16
+ * rows split, o in split_dims' order): 32 output dimensions at a time, each V row's 32 loaded
+ * once and multiplied into every head's. */
 static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPAN],
                                                          const void *const rows[SPAN], int n,
-                                                         int nh, int hd, float *out, int wide) {
+                                                         int nh, int hd, float *out, int split) {
     for (int d0 = 0; d0 < hd; d0 += 32) {
         __m256 o[3][4];
         ATTN_UNROLL for (int h = 0; h < 3; h++)
@@ -95,7 +123,15 @@ static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPA
                 if (h < nh) o[h][j] = _mm256_loadu_ps(out + h * hd + d0 + 8 * j);
         for (int t = 0; t < n; t++) {
             __m256 v[4];
-            ATTN_UNROLL for (int j = 0; j < 4; j++) v[j] = (__m256)row8(rows[t], d0 + 8 * j, wide);
+            ATTN_UNROLL for (int j = 0; j < 4; j += 2) {
+                if (split) {
+                    const __m256i x = load16h(rows[t], d0 + 8 * j);
+                    v[j] = (__m256)bf16_even(x), v[j + 1] = (__m256)bf16_odd(x);
+                } else {
+                    v[j] = _mm256_loadu_ps((const float *)rows[t] + d0 + 8 * j);
+                    v[j + 1] = _mm256_loadu_ps((const float *)rows[t] + d0 + 8 * j + 8);
+                }
+            }
             ATTN_UNROLL for (int h = 0; h < 3; h++) {
                 if (h >= nh) break;
                 const __m256 pt = _mm256_set1_ps(probs[h][t]);
@@ -108,15 +144,15 @@ static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPA
     }
 }
 
-/* pv_f32 with nh, hd and wide as constants, so that its loops unroll. */
+/* pv_f32 with nh, hd and split as constants, so that its loops unroll. */
 #define PV_256(nh, hd)                                                                             \
     do {                                                                                           \
-        if (wide) pv_f32(probs, rows, n, nh, hd, out, 1);                                          \
+        if (split) pv_f32(probs, rows, n, nh, hd, out, 1);                                         \
         else pv_f32(probs, rows, n, nh, hd, out, 0);                                               \
     } while (0)
 
 static void pv_f32_any(const float probs[][SPAN], const void *const rows[SPAN], int n, int nh,
-                       int hd, float *out, int wide) {
+                       int hd, float *out, int split) {
     if (hd == 64) {
         if (nh == 3) PV_256(3, 64);
         else if (nh == 2) PV_256(2, 64);

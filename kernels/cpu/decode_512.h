@@ -97,25 +97,49 @@ static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q,
 }
 #endif
 
-/* 16 values of a pool row from element i: fp32, or (wide) bf16 widened to fp32 in the register:
- * bf16 pools of an fp32 model are read at 2 bytes a value and computed on as fp32. */
-static inline __attribute__((always_inline)) __m512 row16(const void *r, int i, int wide) {
-    if (wide)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)r + i))), 16));
-    return _mm512_loadu_ps((const float *)r + i);
+/* bf16 pools under an fp32 query (wide): a register of 32 bf16 values split into fp32 without a
+ * shuffle, the even dimensions by a shift (each dword's low half to the top), the odd ones by a
+ * mask (each dword's high half stays). The query is split the same way once per part and the
+ * outputs are accumulated in that order (decode_parts.h's split_dims / unsplit_dims): the
+ * zero-extending widening it replaces ran on the shuffle port, which the FMAs share. */
+#define SPLIT 32 /* dimensions per split: a register of bf16 values */
+static inline __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline __m512 bf16_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* The same for an fp32 query and fp32 rows (or bf16 ones, wide): 16-lane FMAs over head_dim. */
+/* The same for an fp32 query and fp32 rows: 16-lane FMAs over head_dim. */
 static inline __attribute__((always_inline)) t16 qk16_f32(const float *q, const void *const rows[TOK],
-                                                             int hd, float scale, int wide) {
+                                                             int hd, float scale) {
     __m512 a[16], qv[8];
     ATTN_UNROLL for (int c = 0; c < 8; c++) qv[c] = c < hd / 16 ? _mm512_loadu_ps(q + 16 * c) : _mm512_setzero_ps();
     ATTN_UNROLL for (int i = 0; i < 16; i++) {
-        const void *k = rows[4 * (i & 3) + (i >> 2)]; /* a[4r + c] holds token 4c + r */
-        __m512 s = _mm512_mul_ps(qv[0], row16(k, 0, wide));
+        const float *k = rows[4 * (i & 3) + (i >> 2)]; /* a[4r + c] holds token 4c + r */
+        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
         ATTN_UNROLL for (int c = 1; c < 8; c++)
-            if (c < hd / 16) s = _mm512_fmadd_ps(qv[c], row16(k, 16 * c, wide), s);
+            if (c < hd / 16) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s);
+        a[i] = s;
+    }
+    return _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale));
+}
+
+/* The same for an fp32 query split (qs: split_dims) and bf16 rows split in registers. */
+static inline __attribute__((always_inline)) t16 qk16_split(const float *qs, const void *const rows[TOK],
+                                                               int hd, float scale) {
+    __m512 a[16], qe[4], qo[4];
+    ATTN_UNROLL for (int c = 0; c < 4; c++) {
+        qe[c] = c < hd / 32 ? _mm512_loadu_ps(qs + 32 * c) : _mm512_setzero_ps();
+        qo[c] = c < hd / 32 ? _mm512_loadu_ps(qs + 32 * c + 16) : _mm512_setzero_ps();
+    }
+    ATTN_UNROLL for (int i = 0; i < 16; i++) {
+        const uint16_t *k = rows[4 * (i & 3) + (i >> 2)]; /* a[4r + c] holds token 4c + r */
+        __m512i x = _mm512_loadu_si512(k);
+        __m512 s = _mm512_fmadd_ps(qo[0], bf16_odd(x), _mm512_mul_ps(qe[0], bf16_even(x)));
+        ATTN_UNROLL for (int c = 1; c < 4; c++)
+            if (c < hd / 32) {
+                x = _mm512_loadu_si512(k + 32 * c);
+                s = _mm512_fmadd_ps(qo[c], bf16_odd(x), _mm512_fmadd_ps(qe[c], bf16_even(x), s));
+            }
         a[i] = s;
     }
     return _mm512_mul_ps(reduce16_ps(a), _mm512_set1_ps(scale));
@@ -200,20 +224,29 @@ static inline void unpermute(const float *in, float *out, int hd) {
 }
 #endif
 
-/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh and tokens t < n, fp32 (bf16 rows widened,
- * wide): each V row loaded once into registers and multiplied into every query head's output,
- * which stays in registers (nh * hd / 16 of them, nh chosen so they fit in 16). */
+/* o[h] += sum_t p[h][t] * v[t] for query heads h < nh and tokens t < n, fp32 (split: bf16 rows
+ * split by bf16_even / bf16_odd, o in split_dims' order): each V row loaded once into registers
+ * and multiplied into every query head's output, which stays in registers (nh * hd / 16 of them,
+ * nh chosen so they fit in 16). */
 static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPAN],
                                                          const void *const rows[SPAN], int n,
-                                                         int nh, int hd, float *out, int wide) {
+                                                         int nh, int hd, float *out, int split) {
     __m512 o[16], v[8];
     const int nv = hd / 16;
     ATTN_UNROLL for (int h = 0; h < 4; h++)
         ATTN_UNROLL for (int j = 0; j < 8; j++)
             if (h < nh && j < nv) o[h * nv + j] = _mm512_loadu_ps(out + h * hd + 16 * j);
     for (int t = 0; t < n; t++) {
-        ATTN_UNROLL for (int j = 0; j < 8; j++)
-            if (j < nv) v[j] = row16(rows[t], 16 * j, wide);
+        ATTN_UNROLL for (int j = 0; j < 8; j += 2)
+            if (j < nv) {
+                if (split) {
+                    const __m512i x = _mm512_loadu_si512((const uint16_t *)rows[t] + 16 * j);
+                    v[j] = bf16_even(x), v[j + 1] = bf16_odd(x);
+                } else {
+                    v[j] = _mm512_loadu_ps((const float *)rows[t] + 16 * j);
+                    v[j + 1] = _mm512_loadu_ps((const float *)rows[t] + 16 * j + 16);
+                }
+            }
         ATTN_UNROLL for (int h = 0; h < 4; h++) {
             if (h >= nh) break;
             const __m512 pt = _mm512_set1_ps(probs[h][t]);
@@ -226,24 +259,24 @@ static inline __attribute__((always_inline)) void pv_f32(const float probs[][SPA
             if (h < nh && j < nv) _mm512_storeu_ps(out + h * hd + 16 * j, o[h * nv + j]);
 }
 
-static inline __attribute__((always_inline)) void pv_f32_narrow(const float probs[][SPAN],
-                                                                const void *const rows[SPAN], int n,
-                                                                int nh, int hd, float *out) {
+static inline __attribute__((always_inline)) void pv_f32_rows(const float probs[][SPAN],
+                                                              const void *const rows[SPAN], int n,
+                                                              int nh, int hd, float *out) {
     pv_f32(probs, rows, n, nh, hd, out, 0);
 }
 
-static inline __attribute__((always_inline)) void pv_f32_wide(const float probs[][SPAN],
-                                                              const void *const rows[SPAN], int n,
-                                                              int nh, int hd, float *out) {
+static inline __attribute__((always_inline)) void pv_split(const float probs[][SPAN],
+                                                           const void *const rows[SPAN], int n,
+                                                           int nh, int hd, float *out) {
     pv_f32(probs, rows, n, nh, hd, out, 1);
 }
 
 static void pv_f32_any(const float probs[][SPAN], const void *const rows[SPAN], int n, int nh,
-                       int hd, float *out, int wide) {
-    if (wide)
-        PV_CONST(pv_f32_wide, probs, rows, n, nh, hd, out);
+                       int hd, float *out, int split) {
+    if (split)
+        PV_CONST(pv_split, probs, rows, n, nh, hd, out);
     else
-        PV_CONST(pv_f32_narrow, probs, rows, n, nh, hd, out);
+        PV_CONST(pv_f32_rows, probs, rows, n, nh, hd, out);
 }
 
 #endif /* PDSERVE_DECODE_512_H */

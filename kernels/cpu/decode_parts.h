@@ -79,6 +79,25 @@ static int seq_bad(const Pool *p, const int32_t *blocks, int32_t context_len) {
     return 0;
 }
 
+/* bf16 pools under an fp32 query: each SPLIT dimensions of a query head as its even dimensions,
+ * then its odd ones, the order bf16_even / bf16_odd leave a row's values in (the outputs are
+ * accumulated in it too, and put back by unsplit_dims at the merge). */
+static inline void split_dims(const float *in, float *out, int hd) {
+    for (int c = 0; c < hd; c += SPLIT)
+        for (int i = 0; i < SPLIT / 2; i++) {
+            out[c + i] = in[c + 2 * i];
+            out[c + SPLIT / 2 + i] = in[c + 2 * i + 1];
+        }
+}
+
+static inline void unsplit_dims(const float *in, float *out, int hd) {
+    for (int c = 0; c < hd; c += SPLIT)
+        for (int i = 0; i < SPLIT / 2; i++) {
+            out[c + 2 * i] = in[c + i];
+            out[c + 2 * i + 1] = in[c + SPLIT / 2 + i];
+        }
+}
+
 /*
  * Tokens [t_begin, t_end) of one sequence (t_begin a multiple of SPAN), every kv head: a token's
  * K (and V) rows of all kv heads are one contiguous run of the pool, so the part's blocks are read
@@ -86,8 +105,9 @@ static int seq_bad(const Pool *p, const int32_t *blocks, int32_t context_len) {
  * the default model's 3 kv heads.) Spans of 64 tokens: scores of 16 tokens at a time (qk16), one
  * softmax update per span and query head, then P @ V over the span. Leaves the part's softmax
  * state in part (PART_FLOATS of it): per query head its running max m, sum l and the output
- * accumulator (not yet divided by l; bf16 query: in pv_pairs' permuted order). q: bf16 (then
- * so are the pools: bf16 dot products) or fp32 (pools fp32, or bf16 widened in registers).
+ * accumulator (not yet divided by l; bf16 query: in pv_pairs' permuted order; fp32 query over
+ * bf16 pools: in split_dims' order). q: bf16 (then so are the pools: bf16 dot products) or fp32
+ * (pools fp32, or bf16 split into fp32 in registers).
  * The last span prefetches the next piece of work: tokens next_t0.. of next_blocks (context
  * next_len), if next_blocks.
  */
@@ -98,12 +118,15 @@ static inline __attribute__((always_inline)) void decode_part_hd(
     int64_t next_t0, int32_t next_len, const int hd) {
     const int group = p->group, num_kv_heads = p->num_kv_heads;
     const int num_heads = group * num_kv_heads, row = num_kv_heads * hd, elem = p->bf16 ? 2 : 4;
-    const int q_elem = p->q_bf16 ? 2 : 4, wide = p->bf16 && !p->q_bf16; /* wide: rows widened */
+    const int q_elem = p->q_bf16 ? 2 : 4, wide = p->bf16 && !p->q_bf16; /* wide: rows split */
     const int chunk = PV_HEADS(hd); /* query heads whose outputs stay in registers */
     const char *k_cache = p->k_cache, *v_cache = p->v_cache;
     float *m = part, *l = part + num_heads, *acc = part + 2 * num_heads;
     float probs[p->q_bf16 ? 1 : num_heads][SPAN];         /* a span's probabilities (fp32) */
     uint32_t pairs[p->q_bf16 ? num_heads : 1][SPAN / 2]; /* (bf16 query): as bf16 pairs */
+    float qs[wide ? num_heads * hd : 1]; /* wide: the query heads in split_dims' order */
+    for (int h = 0; wide && h < num_heads; h++)
+        split_dims((const float *)q + h * q_head_stride, qs + h * hd, hd);
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)num_heads * hd);
     int64_t rows[SPAN];
@@ -139,9 +162,9 @@ static inline __attribute__((always_inline)) void decode_part_hd(
                     else
 #endif
                     if (wide)
-                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale, 1);
+                        s[j] = qk16_split(qs + h * hd, krows + j * TOK, hd, scale);
                     else
-                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale, 0);
+                        s[j] = qk16_f32((const float *)qh, krows + j * TOK, hd, scale);
                     const int left = n - j * TOK;
                     if (left < TOK) s[j] = t16_first(s[j], left);
                     mx = t16_max(mx, s[j]);
@@ -237,6 +260,11 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
             continue;
         }
 #endif
+        if (p->bf16) { /* an fp32 query over bf16 pools: accumulated in split_dims' order */
+            float o[hd];
+            unsplit_dims(sum, o, hd);
+            memcpy(sum, o, sizeof o);
+        }
         for (int d = 0; d < hd; d += 16)
             t16_store((float *)out + h * hd + d, t16_mul(t16_set1(inv), t16_load(sum + d)));
     }

@@ -1,8 +1,10 @@
 """bf16 KV pools under an fp32 model (``--kv-cache-dtype bfloat16``): the C kernels read the pools
-at 2 bytes a value and widen them in registers, and otherwise compute exactly as over fp32 pools.
-A bf16 value widened is an exact fp32 value, so every result here must be bit for bit the one the
-same kernel gives over fp32 pools holding those values; RoPE's KV write must round as torch's
-``.to(torch.bfloat16)`` does (the reference)."""
+at 2 bytes a value and widen them in registers. A bf16 value widened is an exact fp32 value, so
+where a kernel then computes as over fp32 pools (the portable decode path, prefill) its result
+must be bit for bit the one it gives over fp32 pools holding those values; decode attention's
+AVX-512 and AVX2 tiles split a register of bf16 values into its even and odd dimensions (no
+shuffle) and sum a dot product in that order, so theirs must be within fp32 rounding of it (and
+of a float64 reference). RoPE's KV write must round as torch's ``.to(torch.bfloat16)`` does."""
 
 from __future__ import annotations
 
@@ -76,7 +78,11 @@ def test_decode_attention_over_bf16_pools_equals_the_widened_pools(
     finally:
         torch.set_num_threads(threads)
     assert got.dtype == torch.float32
-    assert torch.equal(got, want)
+    if attention_lib.pdserve_paged_attention_f32_parts() and head_dim in (64, 128):
+        # the tiles' order of summation (split dimensions): fp32 rounding apart, no more
+        assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    else:
+        assert torch.equal(got, want)
     close(got, dense(q, case.seq_k, case.seq_v, [1] * len(lens), head_dim**-0.5), torch.float32)
 
 
