@@ -5,8 +5,8 @@ For each variant (an environment for the worker and the offline run, e.g. OpenMP
 and each round: a gateway and one colocated worker (same dtype, quantization and threads) under
 W-c1 (8 requests, 1 user, prompts of 256-768 words, 128 output tokens, greedy, ignore_eos), then
 ``pdserve bench offline --batch-sizes 1`` in its own process with prompts as long as the served
-ones were on average (the server's own count: ~680 tokens, where a step reads ~4 MB more KV than
-at 512). Reported: the offline step, the served TPOT p50, their ratio (issue 14's target: within
+ones were on average (the server's own count: 564 tokens for the default seed, about a token a
+word; 512 before). Reported: the offline step, the served TPOT p50, their ratio (issue 14's target: within
 1.10), and the worker's and gateway's CPU per output token. ``--shapes colocated,up`` serves the
 same load through ``pdserve up``'s shape too (a prefill and a decode worker pinned to a core
 each, borrowing each other's idle core: at one user the decode worker's steps run on both cores,
