@@ -2,8 +2,8 @@
  * Decode attention on AVX-512: part of paged_attention.c, which includes this file inside its
  * AVX-512 section (it uses that file's Pool and row_index, exp512.h and ATTN_UNROLL); kept apart
  * only to keep each file readable. fp32 pools take it on any AVX-512 CPU, and bf16 pools under an
- * fp32 query (rows widened in registers); bf16 pools under a bf16 query where ATTN_NATIVE
- * (AVX512-BF16) holds; head_dim 64 or 128.
+ * fp32 query (rows split into fp32 in registers: bf16_even / bf16_odd); bf16 pools under a bf16
+ * query where ATTN_NATIVE (AVX512-BF16) holds; head_dim 64 or 128.
  */
 #ifndef PDSERVE_DECODE_512_H
 #define PDSERVE_DECODE_512_H
@@ -11,8 +11,8 @@
 /*
  * Tokens go 16 at a time, each by its own row pointer (any block size; tiles may span blocks):
  *
- *   scores: q[h] . k[t] with k[t] straight from the pool: fp32 FMAs, or vdpbf16ps for bf16 (no
- *           widening); 16 tokens' accumulators reduced together by reduce16 into one register of
+ *   scores: q[h] . k[t] with k[t] straight from the pool: fp32 FMAs (bf16 rows split, the query
+ *           split alike), or vdpbf16ps for a bf16 query; 16 tokens' accumulators reduced together by reduce16 into one register of
  *           16 scores;
  *   softmax: online, per query head, 16 lanes at a time (exp16 below);
  *   P @ V:  in fp32 (bf16: vdpbf16ps over token pairs): each V row multiplied into every query
