@@ -281,7 +281,8 @@ def print_summary(s: dict) -> None:
 
     print(
         f"{s['requests']} requests, {s['errors']} errors, {s['wall_s']:.1f} s: "
-        f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s"
+        f"{s['output_tokens_per_s']:.1f} output tokens/s, {s['requests_per_s']:.2f} requests/s, "
+        f"prompts of {s['prompt_tokens_mean']:.0f} tokens on average (the server's count)"
     )
     print(f"TTFT ms  {ms(s['ttft_s'])}")
     print(f"TPOT ms  {ms(s['tpot_s'])}")

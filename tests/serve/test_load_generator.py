@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.bench_serve import run_load
+from pdserve.bench_serve import print_summary, run_load
 from tests.serve.conftest import start_cluster
 
 
@@ -32,3 +32,21 @@ def test_prompt_tokens_and_outputs_are_the_servers_count(http_cluster, api):
     served_out = c.gateway_metric("pdserve_completion_tokens_total") - completion_before
     assert served_out == 3 * 5
     assert s["output_tokens_per_s"] * s["wall_s"] == pytest.approx(served_out)
+
+
+def test_the_summary_says_the_prompts_mean_length(capsys):
+    s = {
+        "requests": 2,
+        "errors": 0,
+        "error_samples": [],
+        "wall_s": 1.0,
+        "output_tokens_per_s": 10.0,
+        "requests_per_s": 2.0,
+        "prompt_tokens_mean": 41.5,
+        "ttft_s": {},
+        "tpot_s": {},
+        "itl_s": {},
+        "ttft_long_prompts_s": {},
+    }
+    print_summary(s)
+    assert "prompts of 42 tokens on average" in capsys.readouterr().out
