@@ -260,13 +260,11 @@ static void merge_parts(const Pool *p, const float *parts, int64_t nparts, int b
             continue;
         }
 #endif
-        if (p->bf16) { /* an fp32 query over bf16 pools: accumulated in split_dims' order */
-            float o[hd];
-            unsplit_dims(sum, o, hd);
-            memcpy(sum, o, sizeof o);
-        }
+        float unsplit[p->bf16 ? hd : 1]; /* fp32 query, bf16 pools: summed in split_dims' order */
+        const float *res = sum;
+        if (p->bf16) unsplit_dims(sum, unsplit, hd), res = unsplit;
         for (int d = 0; d < hd; d += 16)
-            t16_store((float *)out + h * hd + d, t16_mul(t16_set1(inv), t16_load(sum + d)));
+            t16_store((float *)out + h * hd + d, t16_mul(t16_set1(inv), t16_load(res + d)));
     }
 }
 
