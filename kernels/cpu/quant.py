@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 
 import torch
-from pdserve.kernels.cpu import build
+from pdserve.kernels.cpu import build, memory
 from pdserve.kernels.cpu.build import BuildError, load_library
 from pdserve.kernels.quantized import QTYPES, QuantizedWeight
 
@@ -238,7 +238,7 @@ def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Te
     size = lib.pdserve_qv_bytes(n, k, w.qtype)
     if size < 0:
         return None
-    v = torch.empty(size, dtype=torch.uint8)
+    v = memory.weights_empty(size, torch.uint8)  # read by every small step: huge pages
     lib.pdserve_qv_pack(w.data.data_ptr(), n, k, w.qtype, v.data_ptr(), torch.get_num_threads())
     key = id(w)
     _integer[key] = (weakref.ref(w, lambda _, key=key: _integer.pop(key, None)), width, v)

@@ -98,6 +98,86 @@ def test_making_memory_resident_keeps_what_it_holds():
     assert torch.equal(t[1], torch.arange(1 << 20, dtype=torch.float32))
 
 
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping that holds ``t``'s first whole huge page."""
+    addr = -(-t.data_ptr() // memory.HUGE_PAGE) * memory.HUGE_PAGE
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+AFTER_A_HEAP_HOLE = """
+import json, torch
+from tests.kernels.test_memory import _huge_kib
+from pdserve.kernels.cpu import memory
+big = torch.empty(30 << 20, dtype=torch.uint8)
+del big  # malloc now serves up to 30 MB from its heap
+written = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(48)]
+del written  # 48 MB of the heap mapped on small pages, free again
+large = memory.empty(20 << 20, torch.uint8)
+weight = memory.weights_empty(1 << 20, torch.uint8)
+large.fill_(1), weight.fill_(1)
+print(json.dumps([_huge_kib(large), _huge_kib(weight)]))
+"""
+
+
+@pytest.mark.skipif(
+    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here"
+)
+def test_huge_page_buffers_are_new_memory_not_the_heaps_written_pages():
+    """malloc handed a freed, written heap region back to memory.empty, whose pages then stayed
+    small whatever the advice (a worker's decode weights were found so)."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_A_HEAP_HOLE],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+    ).stdout
+    large, weight = json.loads(out)
+    assert large >= 16 << 10  # KiB: most of its 20 MiB
+    assert weight >= 2 << 10  # the huge page its 1 MiB was written to
+
+
+def test_weights_are_carved_side_by_side_from_one_slab():
+    if memory._madvise() is None:
+        pytest.skip("no madvise here: weights_empty is torch.empty")
+    memory._slabs._slab = None  # a new slab for this test
+    a = memory.weights_empty((300, 250), torch.float32)  # 300,000 bytes
+    b = memory.weights_empty(1000, torch.uint8)
+    c = memory.weights_empty((7, 3), torch.bfloat16)
+    slab = memory._slabs._slab
+    assert slab.data_ptr() % memory.HUGE_PAGE == 0
+    assert a.data_ptr() == slab.data_ptr()
+    assert b.data_ptr() == a.data_ptr() + 300_032  # 64-byte aligned, right after a
+    assert c.data_ptr() == b.data_ptr() + 1024
+    a.fill_(1.5), b.fill_(7), c.fill_(-2)
+    assert a.sum().item() == 1.5 * a.numel() and b.sum().item() == 7 * 1000
+    assert (c == -2).all() and a.shape == (300, 250) and c.dtype == torch.bfloat16
+    # a buffer of half a slab or more is one of its own; the slab goes on being carved
+    whole = memory.weights_empty(memory._Slabs.SLAB // 2, torch.uint8)
+    assert whole.data_ptr() % memory.HUGE_PAGE == 0 and memory._slabs._slab is slab
+    # the rest of a slab too small: a new one
+    memory.weights_empty(memory._Slabs.SLAB // 2 - 1, torch.uint8)
+    assert memory._slabs._slab is slab
+    memory.weights_empty(memory._Slabs.SLAB // 2 - 1, torch.uint8)
+    assert memory._slabs._slab is not slab
+
+
+def test_a_weights_copy_holds_the_same_values():
+    w = torch.randn(96, 64, dtype=torch.float32)
+    copy = memory.weights_copy(w)
+    assert torch.equal(copy, w) and copy.data_ptr() != w.data_ptr() and copy.is_contiguous()
+    assert memory.weights_empty(0, torch.float32).numel() == 0
+
+
 def _failing_madvise(err: int):
     def madvise(addr, length, advice):
         ctypes.set_errno(err)
@@ -173,3 +253,30 @@ def test_the_memory_left_is_the_machines_and_within_a_containers_limit(
     monkeypatch.setattr(pool, "MEMINFO", str(tmp_path / "none"))
     monkeypatch.setattr(pool, "CGROUP", str(tmp_path / "none"))
     assert pool.available_memory_bytes() is None
+
+
+def _in_a_slab(t: torch.Tensor) -> bool:
+    slab = memory._slabs._slab
+    return slab is not None and 0 <= t.data_ptr() - slab.data_ptr() < slab.numel()
+
+
+def test_prepacking_moves_what_the_kernels_read_onto_slabs():
+    """The loader's prepack_linear: a quantized weight's blocks and an fp32 weight that no packing
+    replaces move to weights_empty's memory, values and results unchanged."""
+    if memory._madvise() is None:
+        pytest.skip("no madvise here: weights_empty is torch.empty")
+    from pdserve.kernels import quantized
+    from pdserve.kernels.cpu import gemm, quant
+
+    memory._slabs._slab = None
+    dense = torch.randn(64, 96) / 10
+    qw = quantized.quantize(dense, "q4_1")
+    blocks = qw.data.clone()
+    x = torch.randn(3, 96)
+    before = quant.linear(x, qw)
+    gemm.prepack_linear(qw, torch.float32)
+    assert torch.equal(qw.data, blocks) and _in_a_slab(qw.data)
+    assert torch.equal(quant.linear(x, qw), before)
+    param = torch.nn.Parameter(dense.clone(), requires_grad=False)
+    gemm.prepack_linear(param, torch.float32)
+    assert torch.equal(param, dense) and _in_a_slab(param)
