@@ -51,6 +51,7 @@ def gateway_config(args) -> GatewayConfig:
         api_keys_file=args.api_keys,
         local_prefill_tokens=args.local_prefill_tokens,
         decode_prefill_budget_s=args.decode_prefill_budget,
+        decode_prefill_max_tokens=args.decode_prefill_max_tokens,
         probe_interval_s=args.probe_interval,
         real_probe_interval_s=args.real_probe_interval,
         suspect_after_s=args.suspect_after,
@@ -448,6 +449,14 @@ def _placement_arg(p: argparse.ArgumentParser) -> None:
         help="a decode worker prefills a prompt itself while the prefill worker's queue is longer "
         "and the seconds its own prefills hold its streams back (streams × seconds) fit in this "
         "many per prompt waiting at the prefill worker (0: always disaggregate)",
+    )
+    p.add_argument(
+        "--decode-prefill-max-tokens",
+        type=int,
+        default=GatewayConfig.decode_prefill_max_tokens,
+        metavar="TOKENS",
+        help="... but not a prompt longer than this while it runs streams (each would wait "
+        "for all of it)",
     )
 
 

@@ -203,6 +203,7 @@ def cmd_up(args) -> int:
         keys = ["--api-keys", args.api_keys] if args.api_keys else []
         gateway_argv = ["gateway", "--model", args.model, *gateway_tls, *keys, *observe]
         gateway_argv += ["--decode-prefill-budget", str(args.decode_prefill_budget)]
+        gateway_argv += ["--decode-prefill-max-tokens", str(args.decode_prefill_max_tokens)]
         gateway_argv += ["--policy", args.policy]
         ports = {"--port": args.port, "--http-port": args.http_port}
         ports["--metrics-port"] = args.metrics_port

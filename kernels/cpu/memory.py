@@ -91,7 +91,10 @@ def _fresh(nbytes: int) -> torch.Tensor:
     a large request from its heap where a freed region is big enough (a model's load leaves such
     regions behind), and heap pages already touched stay small whatever the advice: a worker's
     integer-path weights were found on 4 KiB pages that way."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"{nbytes} bytes could not be mapped: {e.strerror}") from e
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
     offset = -raw.data_ptr() % HUGE_PAGE
     buf = raw[offset : offset + nbytes]

@@ -23,9 +23,9 @@ class GatewayConfig:
     waits); ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
-    ``local_prefill_tokens`` and ``decode_prefill_budget_s``: when a decode worker prefills a
-    prompt itself instead of a prefill worker (``placement.py``); a budget of 0 always
-    disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request with an affinity key to
+    ``local_prefill_tokens``, ``decode_prefill_budget_s`` and ``decode_prefill_max_tokens``:
+    when a decode worker prefills a prompt itself instead of a prefill worker (``placement.py``);
+    a budget of 0 always disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request with an affinity key to
     the prefill worker its key hashes to while that one's estimate is at most this many seconds
     above the cheapest's.
 
@@ -61,6 +61,7 @@ class GatewayConfig:
     api_keys_file: str | None = None
     local_prefill_tokens: int = 32
     decode_prefill_budget_s: float = 0.5
+    decode_prefill_max_tokens: int = 1024
     probe_interval_s: float = 1.0
     real_probe_interval_s: float = 5.0
     suspect_after_s: float = 1.0
@@ -108,6 +109,14 @@ class GatewayConfig:
         if not self.decode_prefill_budget_s >= 0:
             raise ValueError(
                 f"decode_prefill_budget_s must be >= 0 seconds, got {self.decode_prefill_budget_s}"
+            )
+        if (
+            not isinstance(self.decode_prefill_max_tokens, int)
+            or self.decode_prefill_max_tokens < 0
+        ):
+            raise ValueError(
+                "decode_prefill_max_tokens must be an integer >= 0, got "
+                f"{self.decode_prefill_max_tokens!r}"
             )
         if not self.affinity_slack_s >= 0:
             raise ValueError(f"affinity_slack_s must be >= 0 seconds, got {self.affinity_slack_s}")

@@ -26,7 +26,12 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
   back). (Until 2026-11-28 the rule was ``h ≤
   budget`` whatever S and P: a budget small enough for W-mixed's TPOT left W-c32's decode
   worker running batches of ~3, one large enough for W-c32 held W-mixed's batches back;
-  docs/benchmarks.md, "One placement rule for both loads".)
+  docs/benchmarks.md, "One placement rule for both loads".) And while it runs streams, a decode
+  worker takes on no prompt longer than ``decode_prefill_max_tokens`` (1,024: the engine's
+  default prefill chunk) this way: the budget rule weighs a prompt's whole stall against the
+  queue it saves, and one prompt of 2,000 tokens on a deep queue passed it, held every stream
+  back for seconds (~4 s on one Xeon core) and set W-mixed's TPOT p99 (docs/benchmarks.md,
+  "Weights on huge pages").
 
 Work is counted in prompt tokens to compute: a prompt less the leading blocks the worker is
 expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
@@ -102,6 +107,8 @@ def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig)
         return DISAGGREGATED
     w = weighed(prefill, decode)
     waiting, streams = w["prefill_prompts"], w["decode_streams"]
+    if streams and num_tokens > cfg.decode_prefill_max_tokens:
+        return DISAGGREGATED
     if (
         waiting >= STARVED * streams
         and here * max(streams, 1) <= cfg.decode_prefill_budget_s * waiting

@@ -280,3 +280,14 @@ def test_prepacking_moves_what_the_kernels_read_onto_slabs():
     param = torch.nn.Parameter(dense.clone(), requires_grad=False)
     gemm.prepack_linear(param, torch.float32)
     assert torch.equal(param, dense) and _in_a_slab(param)
+
+
+def test_a_mapping_the_system_refuses_is_a_memory_error(monkeypatch):
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match="could not be mapped: Cannot allocate memory"):
+        memory._fresh(64 << 20)

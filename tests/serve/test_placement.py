@@ -101,6 +101,12 @@ def test_decisions(tokens, prefill_state, decode_state, want):
         # > 6 prompts × 0.5 s (counted as 1 stream, 1.8 s would fit); 8 prompts pay for it
         (400, 5000, 6, 1, 1, 1400, DISAGGREGATED),
         (400, 5000, 8, 1, 1, 1400, BUSY),
+        # a deep queue pays for 2 s of one stream, but no prompt longer than a prefill chunk
+        # (1,024 tokens) is taken on while a stream runs: each would wait for all of it
+        (2000, 50000, 20, 1, 0, 0, DISAGGREGATED),
+        (1025, 50000, 20, 1, 0, 0, DISAGGREGATED),
+        (1024, 50000, 20, 1, 0, 0, BUSY),
+        (2000, 50000, 20, 0, 0, 0, BUSY),  # no stream to hold back
         # no stream at all: 5 prompts' budgets (2.5 s), this one's 2.6 s is over
         (2600, 9000, 5, 0, 0, 0, DISAGGREGATED),
         # many waiting, but what waits there (2 s) is shorter than computing it here (3 s)
@@ -192,3 +198,11 @@ def test_a_decode_worker_counts_as_idle_for_borrowing_only_with_nothing_else_of_
     assert not placement.decode_idle(_worker("decode", outstanding_tokens=600), 300)
     busy = _worker("decode", outstanding_tokens=300, local_prefill_tokens=40)
     assert not placement.decode_idle(busy, 300)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1024"])
+def test_a_prompt_cap_that_is_not_a_count_of_tokens_is_refused(bad):
+    with pytest.raises(
+        ValueError, match=f"decode_prefill_max_tokens must be an integer >= 0, got {bad!r}"
+    ):
+        GatewayConfig(decode_prefill_max_tokens=bad)
