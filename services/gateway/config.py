@@ -25,9 +25,9 @@ class GatewayConfig:
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
     ``local_prefill_tokens``, ``decode_prefill_budget_s`` and ``decode_prefill_max_tokens``:
     when a decode worker prefills a prompt itself instead of a prefill worker (``placement.py``);
-    a budget of 0 always disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request with an affinity key to
-    the prefill worker its key hashes to while that one's estimate is at most this many seconds
-    above the cheapest's.
+    a budget of 0 always disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request
+    with an affinity key to the prefill worker its key hashes to while that one's estimate is at
+    most this many seconds above the cheapest's.
 
     Hang detection (``watchdog.py``): each worker gets a fast probe (Stats, ``probe_timeout_s``)
     every ``probe_interval_s`` (0 turns the watchdog off) and a real one (a 1-token generation)
