@@ -75,11 +75,15 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
+def _shape_bytes(shape: tuple[int, ...] | int, dtype: torch.dtype) -> tuple[tuple[int, ...], int]:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return shape, math.prod(shape) * dtype.itemsize
+
+
 def empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` on the CPU, starting on a 2 MiB boundary and on huge
     pages where available (see the module docstring)."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = math.prod(shape) * dtype.itemsize
+    shape, nbytes = _shape_bytes(shape, dtype)
     if nbytes < _MIN_BYTES or _madvise() is None:
         return torch.empty(shape, dtype=dtype)
     return _fresh(nbytes).view(dtype).view(shape)
@@ -119,11 +123,11 @@ class _Slabs:
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` uint8 of a slab (a buffer of half a slab or more: one of its own)."""
         if 2 * nbytes >= self.SLAB:
-            return empty(nbytes, torch.uint8)
+            return _fresh(nbytes)
         with self._lock:
             start = -(-self._used // self.ALIGN) * self.ALIGN
             if self._slab is None or start + nbytes > self._slab.numel():
-                self._slab, start = empty(self.SLAB, torch.uint8), 0
+                self._slab, start = _fresh(self.SLAB), 0
             self._used = start + nbytes
             return self._slab[start : start + nbytes]
 
@@ -135,8 +139,7 @@ def weights_empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Ten
     """``torch.empty(shape, dtype=dtype)`` for a weight a step reads (and that lives as long as
     its model): on huge pages whatever its size, carved out of a shared slab (``_Slabs``), where
     the system has them; elsewhere a plain ``torch.empty``."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = math.prod(shape) * dtype.itemsize
+    shape, nbytes = _shape_bytes(shape, dtype)
     if not nbytes or _madvise() is None:
         return torch.empty(shape, dtype=dtype)
     return _slabs.take(nbytes).view(dtype).view(shape)

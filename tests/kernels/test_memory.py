@@ -23,6 +23,21 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")]
 
 
+thp = pytest.mark.skipif(
+    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here"
+)
+
+
+def _apart(script: str):
+    """What ``script`` prints (JSON), run in a process of its own: in this one, memory freed by
+    earlier tests (written, so mapped) may be handed out again."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=root
+    )
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32])
 def test_large_buffer_is_aligned_and_usable(dtype):
     t = memory.empty((5, 1 << 20), dtype)
@@ -39,9 +54,7 @@ def test_small_buffer_is_plain():
     assert t[99].item() == 99
 
 
-@pytest.mark.skipif(
-    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here"
-)
+@thp
 def test_kernel_takes_the_advice():
     t = memory.empty(8 * memory.HUGE_PAGE, torch.uint8)
     assert memory.advise_huge_pages(t)
@@ -78,13 +91,7 @@ print(json.dumps([_resident_fraction(lazy), _resident_fraction(resident),
 
 @linux
 def test_a_resident_pool_is_mapped_before_its_first_write():
-    # in a process of its own: in this one, memory freed by earlier tests (written, so mapped)
-    # may be handed out again
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", POOLS], capture_output=True, text=True, check=True, cwd=root
-    ).stdout
-    lazy, resident, misaligned = json.loads(out)
+    lazy, resident, misaligned = _apart(POOLS)
     assert lazy < 0.5  # nothing written yet
     assert resident == 1.0 and misaligned == 0
 
@@ -127,21 +134,11 @@ print(json.dumps([_huge_kib(large), _huge_kib(weight)]))
 """
 
 
-@pytest.mark.skipif(
-    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here"
-)
+@thp
 def test_huge_page_buffers_are_new_memory_not_the_heaps_written_pages():
     """malloc handed a freed, written heap region back to memory.empty, whose pages then stayed
     small whatever the advice (a worker's decode weights were found so)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", AFTER_A_HEAP_HOLE],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=root,
-    ).stdout
-    large, weight = json.loads(out)
+    large, weight = _apart(AFTER_A_HEAP_HOLE)
     assert large >= 16 << 10  # KiB: most of its 20 MiB
     assert weight >= 2 << 10  # the huge page its 1 MiB was written to
 
