@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.kv_cache.allocator import BlockAllocator, prefix_block_hashes
+from pdserve.kv_cache.allocator import BlockAllocator, hash_block, prefix_block_hashes
 from pdserve.sequence import Sequence, SequenceStatus
 
 
@@ -214,10 +214,26 @@ class Scheduler:
             self.awaiting_kv.remove(seq)
         else:
             self.running.remove(seq)
+            if self.enable_prefix_caching:
+                self._publish_generated(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _publish_generated(self, seq: Sequence) -> None:
+        """Make the full blocks past the prompt's findable like prompt blocks: the generated
+        tokens' KV (and the prompt's last, partial block with them), as far as it is in the cache
+        (``num_computed_tokens``: the last sampled token was never fed back). A chat's next turn
+        sends this turn's prompt and reply again, and then finds both here and computes only the
+        new message. The hashes chain on from the prompt's, over the tokens in order, so a later
+        prompt matches them only where its tokens are these."""
+        bs, hashes = self.block_size, seq.block_hashes
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), full):
+            parent = hash_block(parent, [seq.token_at(p) for p in range(i * bs, (i + 1) * bs)])
+            self.allocator.register_hash(seq.block_table[i], parent)
 
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for the request's whole lifetime, reusing cached full prompt blocks (all or nothing)."""

@@ -223,3 +223,50 @@ def test_a_reservation_goes_ahead_of_prompts_waiting_for_the_token_budget_only()
     assert s.reserve(seq("small", 8, 4, first=400))  # 3 blocks: 3 left, second's 3 fit
     assert not s.reserve(seq("seat", 2, 1, first=500))  # 3 seats taken + second's = max_num_seqs
     assert alloc.num_used_blocks == 9
+
+
+def test_a_finished_requests_generated_blocks_are_found_by_a_prompt_that_repeats_them():
+    """A chat's next turn sends the last prompt and its reply again: the full blocks of the reply
+    (and the prompt's last block, which it filled) are found, as far as their KV was written."""
+    s, alloc = make(num_blocks=16)
+    a = seq("a", prompt_len=6, max_tokens=7)  # blocks: [0..3] [4,5,o0,o1] [o2..o5] [o6: no KV]
+    s.add(a)
+    for t in range(7):
+        run_step(s, token=50 + t)
+    assert a.status is SequenceStatus.FINISHED and alloc.num_free_blocks == 16
+    outputs = list(range(50, 57))
+    turn = Sequence("b", list(range(6)) + outputs + [90, 91], SamplingParams(max_tokens=2))
+    s.add(turn)
+    s.schedule()
+    # the KV of prompt + o0..o5 is in the cache (12 tokens: 3 full blocks); o6 was never fed back
+    assert turn.num_cached_tokens == 12
+    s.finish(turn, "abort")
+    assert alloc.num_free_blocks == 16
+
+
+def test_generated_blocks_match_only_the_same_tokens_in_the_same_place():
+    s, _ = make(num_blocks=16)
+    a = seq("a", prompt_len=6, max_tokens=7)
+    s.add(a)
+    for t in range(7):
+        run_step(s, token=50 + t)
+    # the reply's tokens differ from a's in the third block: the first two are found
+    other_reply = Sequence(
+        "b", list(range(6)) + [50, 51, 52, 99, 54, 55, 60], SamplingParams(max_tokens=2)
+    )
+    other_prompt = Sequence("c", [7] + list(range(1, 6)) + list(range(50, 57)), SamplingParams())
+    for q in (other_reply, other_prompt):
+        s.add(q)
+    s.schedule()
+    assert other_reply.num_cached_tokens == 8
+    assert other_prompt.num_cached_tokens == 0  # same reply after another prompt: no match
+
+
+def test_without_prefix_caching_nothing_generated_is_published():
+    alloc = BlockAllocator(16)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), alloc, BS, False)
+    a = seq("a", prompt_len=6, max_tokens=7)
+    s.add(a)
+    for t in range(7):
+        run_step(s, token=50 + t)
+    assert alloc.cached_hashes() == ()

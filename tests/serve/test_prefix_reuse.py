@@ -143,3 +143,45 @@ def test_a_prefill_told_to_skip_too_many_blocks_is_refused_clearly(cluster):
         )
         call.cancel()
     assert_no_leaks(c.live())
+
+
+def chat_turns(c) -> tuple[list[list[int]], list[float], list[float]]:
+    """FIRST, then the next turn (FIRST, its reply, a new message) over gRPC: per turn its
+    tokens, the KV bytes the decode worker received and the prompt tokens it reused."""
+    outputs, nbytes, reused = [], [], []
+    with Client(c.address, timeout=30) as client:
+        prompt = FIRST
+        for _ in range(2):
+            before, reused_before = recv_bytes(c), reused_tokens(c)
+            tokens = list(client.complete(prompt, PARAMS).token_ids)
+            outputs.append(tokens)
+            nbytes.append(recv_bytes(c) - before)
+            reused.append(reused_tokens(c) - reused_before)
+            prompt = prompt + tokens + [rng.randrange(3, 49152) for _ in range(7)]
+    assert_no_leaks(c.live())
+    return outputs, nbytes, reused
+
+
+def test_a_decode_worker_holds_the_reply_and_is_sent_only_the_new_message(cluster):
+    """The decode worker generated FIRST's reply: the next turn (104 tokens) finds FIRST and 9
+    of the reply's 10 tokens there (96 tokens, 6 blocks; the last token was never fed back), and
+    only its last block is sent; the tokens are those of a cluster that reuses nothing."""
+    state = rng.getstate()
+    with_reuse = start(cluster, reuse=True)
+    layout = with_reuse.workers["decode-0"].worker.transport.layout
+    outputs, nbytes, reused = chat_turns(with_reuse)
+    assert reused == [0, 6 * BLOCK]
+    assert nbytes[1] == layout.num_layers * layout.message_nbytes(1)
+    rng.setstate(state)  # the same new message
+    outputs_without, nbytes_without, reused_without = chat_turns(start(cluster, reuse=False))
+    assert outputs == outputs_without and reused_without == [0, 0]
+    assert nbytes_without[1] == layout.num_layers * layout.message_nbytes(7)
+
+
+def test_a_colocated_worker_reports_the_reply_it_generated_as_cached(cluster):
+    c = cluster(prefill=0, decode=0, colocated=1)
+    with Client(c.address, timeout=30) as client:
+        reply = list(client.complete(FIRST, PARAMS).token_ids)
+        turn = client.complete(FIRST + reply + SECOND[-7:], PARAMS)
+    assert turn.usage.prompt_tokens == 104 and turn.usage.cached_prompt_tokens == 6 * BLOCK
+    assert_no_leaks(c.live())
