@@ -34,10 +34,14 @@ class WorkerFailed(Exception):
         self.code = code
 
 
-async def read(call, worker: Worker):
+async def read(call, worker: Worker, generated: list[int] | None = None):
+    """The messages of ``call`` to ``worker``; the token ids they carry are added to
+    ``generated`` (if given) as they pass."""
     try:
         async for msg in call:
             worker.progressed()
+            if generated is not None and msg.HasField("tokens"):
+                generated += msg.tokens.token_ids
             yield msg
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
         raise call_failed(worker, e) from None

@@ -3,7 +3,8 @@
 Several gateways send to the same workers, so what one gateway remembers of its own requests is
 not a worker's load. Each heartbeat (every lease/3 s) carries the worker's ``WorkerStats``: its
 queued prompt work in seconds, its measured seconds per prompt token, its batch and free blocks,
-and a Bloom filter of the prompt blocks it has cached (``pdserve/kv_cache/prefix_summary.py``).
+and a Bloom filter of the blocks it has cached, prompts' and generated ones
+(``pdserve/kv_cache/prefix_summary.py``).
 Between two heartbeats the report ages: its queue drains at one second per second, and what this
 gateway has sent there since (``Worker.unreported_*``) is added on top. A report older than
 ``stale_s`` (two heartbeats missed) is not used: the worker is then estimated from this
@@ -18,7 +19,7 @@ gateway's own requests in flight, as ``least_loaded`` does.
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
 among the prompts this gateway has sent there that are still there or ended less than two reports
 ago (maybe not in a filter yet, maybe still being computed: a prompt that shares it waits for it
-there), times the share of such prefixes its prompts have found there (``record_hits``).
+there; with what a decode or colocated worker generated for them), times the share of such prefixes its prompts have found there (``record_hits``).
 """
 
 from __future__ import annotations
@@ -227,10 +228,20 @@ def work_and_belief(worker: Worker, job: Job, now: float, stale_s: float) -> tup
     return len(job.prompt_ids) - discounted(worker, believed), believed
 
 
-def prompt_ended(worker: Worker, job: Job, computed: bool) -> None:
-    """The prompt ``prompt_sent`` sent to ``worker`` has ended there (``Worker.prompt_ended``)."""
-    if worker.recent_block_size:
-        worker.prompt_ended(job.hashes(worker.recent_block_size), computed)
+def prompt_ended(worker: Worker, job: Job, computed: bool, generated: list[int] = ()) -> None:
+    """The prompt ``prompt_sent`` sent to ``worker`` has ended there (``Worker.prompt_ended``).
+    ``generated``: the tokens a colocated or decode worker generated for it; it keeps the full
+    blocks they filled (but the last token's: its KV was never written) as it keeps the prompt's
+    (``Scheduler._publish_generated``), so a chat's next turn, which sends them again, is
+    cheaper there before its next report says so."""
+    size = worker.recent_block_size
+    if not size:
+        return
+    hashes = job.hashes(size)
+    kept = ()
+    if computed and len(generated) > 1:
+        kept = prefix_block_hashes([*job.prompt_ids, *generated[:-1]], size)[len(hashes) :]
+    worker.prompt_ended(hashes, computed, kept)
 
 
 def prompt_sent(worker: Worker, job: Job) -> None:

@@ -385,12 +385,12 @@ class Gateway:
         worker.prompts += 1
         blocks = costs.request_blocks(worker, cost)
         sent_at = worker.sent(todo, blocks)
-        prefilling = True
+        prefilling, generated = True, []
         call = worker.stub.Generate(req, timeout=timeout, metadata=md)
         worker.track(call)
         costs.prompt_sent(worker, job)
         try:
-            async for msg in read(call, worker):
+            async for msg in read(call, worker, generated):
                 if prefilling:
                     worker.local_prefill_tokens -= todo
                     worker.prompts -= 1
@@ -405,7 +405,7 @@ class Gateway:
                 worker.prompts -= 1
             else:
                 worker.streams -= 1
-            costs.prompt_ended(worker, job, computed=not prefilling)
+            costs.prompt_ended(worker, job, not prefilling, generated)
             worker.calls.discard(call)
             call.cancel()
             await self._released()
@@ -438,8 +438,9 @@ class Gateway:
         )
         decode.track(call)
         prefill_done = prefilled = admitted = streaming = False
+        generated: list[int] = []  # the first token, then the decode worker's
         try:
-            reader = read(call, decode)
+            reader = read(call, decode, generated)
             first = await anext(reader, None)
             if first is None or not first.HasField("admitted"):
                 raise WorkerFailed(decode, "decode worker did not admit the request")
@@ -479,6 +480,7 @@ class Gateway:
             lp = [logprobs_from_proto(resp.first_token)] if params.logprobs is not None else []
             decode.streams += 1
             streaming = True
+            generated.append(resp.first_token.token_id)
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
             async for msg in reader:
                 yield chunk(msg.tokens, resp.cached_prompt_tokens)
@@ -488,7 +490,7 @@ class Gateway:
             if streaming:
                 decode.streams -= 1
             if admitted:
-                costs.prompt_ended(decode, job, prefilled)
+                costs.prompt_ended(decode, job, prefilled, generated)
             decode.calls.discard(call)
             if not prefill_done:
                 prefill.outstanding_tokens -= prefill_todo

@@ -105,12 +105,13 @@ class Worker:
             self.recent_block_size = block_size
         self._in_flight_hashes.update(block_hashes)
 
-    def prompt_ended(self, block_hashes: list[bytes], computed: bool) -> None:
+    def prompt_ended(self, block_hashes: list[bytes], computed: bool, kept=()) -> None:
         """The prompt ``prompt_cached`` was told of has ended here: its blocks count as cached
         until two reports have come since (one built before it ended may lack them); then the
         reports alone say, as they are newer. Counting them from the send for two periods kept a
         session's history "cached" after the worker had evicted it (a turn ~5 s later, within
-        two 3 s periods). ``computed``: False when it failed before its blocks were there."""
+        two 3 s periods). ``computed``: False when it failed before its blocks were there;
+        ``kept``: the hashes of the blocks past the prompt's that it left cached (a reply's)."""
         in_flight = self._in_flight_hashes
         for h in block_hashes:
             if in_flight[h] > 1:
@@ -119,6 +120,7 @@ class Worker:
                 in_flight.pop(h, None)
         if computed:
             self.recent_hashes.update(block_hashes)
+            self.recent_hashes.update(kept)
 
     def cached_recently(self, block_hash: bytes) -> bool:
         return (

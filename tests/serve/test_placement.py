@@ -170,24 +170,47 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_ship
     assert_no_leaks(c.live())
 
 
+def _second_request(cluster, first: list[int], params: SamplingParams, then):
+    """On 1 prefill + 1 decode workers: ``first``, then the prompt ``then(first's tokens)``
+    gives; the cluster and the second's response, whose tokens are checked against those of
+    a cluster that saw only it."""
+    c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
+    with Client(c.address, timeout=60) as client:
+        second = then(list(client.complete(first, params).token_ids))
+        got = client.complete(second, params)
+    off = cluster(prefill=1, decode=1)
+    with Client(off.address, timeout=60) as client:
+        assert client.complete(second, params).token_ids == got.token_ids
+    return c, got
+
+
 def test_a_prompt_whose_prefix_its_decode_worker_holds_is_prefilled_there(cluster):
     """What a worker would compute decides, not the prompt's length: the decode worker kept the
     first prompt's blocks (decode-side prefix reuse), so the second, which extends it, leaves it 7
     tokens to compute there: short, prefilled where its prefix is."""
-    c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     first = list(range(5, 105))  # 100 tokens (6 full blocks of 16): shipped
-    second = first + [7, 8, 9]
-    with Client(c.address, timeout=60) as client:
-        client.complete(first, params)
-        got = client.complete(second, params)
+    c, got = _second_request(cluster, first, params, lambda _: first + [7, 8, 9])
     assert c.served("prefill-0") == 1
     assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 1
     assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
     assert got.usage.cached_prompt_tokens == 96
-    off = cluster(prefill=1, decode=1)
-    with Client(off.address, timeout=60) as client:
-        assert client.complete(second, params).token_ids == got.token_ids
+    assert_no_leaks(c.live())
+
+
+def test_a_chats_next_turn_is_prefilled_where_its_reply_was_generated(cluster):
+    """The decode worker keeps the reply it generated too, and the gateway counts it there at
+    once: the next turn (the prompt, the 40-token reply, 7 new tokens: 147) leaves it 19 tokens
+    to compute (the KV of 100 + 39 tokens, 8 blocks, is there), short; counting the prompt's
+    blocks alone it would be 51, and the prefill worker would compute all 147."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = list(range(5, 105))
+    c, got = _second_request(
+        cluster, first, params, lambda reply: first + reply + list(range(7, 14))
+    )
+    assert c.served("prefill-0") == 1
+    assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
+    assert got.usage.cached_prompt_tokens == 128
     assert_no_leaks(c.live())
 
 

@@ -19,6 +19,7 @@ from pdserve.services.gateway.cost import (
     believed_cached,
     kv_hold_s,
     prefill_estimate,
+    prompt_ended,
     prompt_sent,
     record_hits,
     rendezvous,
@@ -193,6 +194,28 @@ def test_a_prompt_sent_lately_counts_as_cached_before_any_report_says_so(channel
     assert pick(router, [a, b], chat(1)) == "prefill-a"
     a.reported(report())  # ...two later, only what the reports say counts: evicted since
     assert prefill_estimate(a, chat(1), NOW, STALE_S)[1] == 0
+
+
+def test_the_reply_a_decode_worker_generated_counts_as_cached_there_for_the_next_turn(channel):
+    """A decode (or colocated) worker keeps the full blocks of what it generated: the next turn
+    (the prompt, the reply, a new message) finds them there before any report lists them; the
+    reply's last token is not counted (its KV was never written), nor a reply when the request
+    failed before its prompt was there."""
+    d = worker(channel, "decode-a", role="decode")
+    d.reported(report())
+    first = chat(0)  # 640 tokens: 40 full blocks
+    reply = list(range(5000, 5032))  # 32 tokens: the KV of 640 + 31 (41 full blocks, not 42)
+    prompt_sent(d, first)
+    prompt_ended(d, first, True, reply)
+    turn = Job(first.prompt_ids + reply + list(range(6000, 6040)), max_tokens=32)
+    assert believed_cached(d, turn, d.report) == 41 * 16
+    elsewhere = Job(first.prompt_ids + [7] + reply, max_tokens=32)  # the reply after another
+    assert believed_cached(d, elsewhere, d.report) == 40 * 16
+    other = worker(channel, "decode-b", role="decode")
+    other.reported(report())
+    prompt_sent(other, first)
+    prompt_ended(other, first, False, reply)
+    assert believed_cached(other, turn, other.report) == 0
 
 
 def test_a_prompt_that_failed_before_its_blocks_were_there_is_not_remembered(channel):
