@@ -230,9 +230,13 @@ class Scheduler:
         prompt matches them only where its tokens are these."""
         bs, hashes = self.block_size, seq.block_hashes
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if full <= len(hashes):
+            return
         parent = hashes[-1] if hashes else None
+        tokens = [*seq.prompt_token_ids[len(hashes) * bs :], *seq.output_token_ids]
         for i in range(len(hashes), full):
-            parent = hash_block(parent, [seq.token_at(p) for p in range(i * bs, (i + 1) * bs)])
+            start = (i - len(hashes)) * bs
+            parent = hash_block(parent, tokens[start : start + bs])
             self.allocator.register_hash(seq.block_table[i], parent)
 
     def _allocate(self, seq: Sequence) -> bool:
