@@ -103,7 +103,7 @@ class GatewayMetrics(_Metrics):
         self.placement = Counter(
             "pdserve_placement",
             "Where a request with a prefill and a decode worker to choose from was prefilled: "
-            "disaggregated, or on its decode worker (short_prompt, prefill_busy)",
+            "disaggregated, or on its decode worker (short_prompt, held_here, prefill_busy)",
             ["reason"],
             registry=r,
         )

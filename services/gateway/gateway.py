@@ -356,8 +356,7 @@ class Gateway:
                 return None
             req.routed(f"local:{local.role}", local.address, "", attempt)
             return self._local(local, rid, job, params, timeout, md)
-        here = costs.tokens_to_compute(decode, job, costs.now(), self.router.stale_s)
-        reason = placement.decide(here, prefill, decode, self.config)
+        reason = placement.place(job, prefill, decode, self.config, self.router.stale_s)
         self.metrics.placement.labels(reason).inc()
         why = placement.weighed(prefill, decode)
         if reason != placement.DISAGGREGATED:

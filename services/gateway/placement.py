@@ -8,6 +8,10 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
 
 - what it would compute of the prompt is short (``local_prefill_tokens``): the hop and the
   transfer cost more than the prefill, and a few tokens fit beside a decode step; or
+- it runs nothing of this gateway's (no stream, no prompt: there is no TPOT to protect) and
+  holds more of the prompt than the prefill worker (``HELD_HERE``): a chat's next turn finds
+  the last reply there, which no prefill worker ever computed, so the prefill worker would
+  compute more and then ship it; or
 - the prefill worker's queue would hold it longer than the prefills this decode worker has taken
   on (this one included) take, ``h`` seconds, and the decode worker is starved: the ``P``
   prompts waiting at the prefill worker are at least ``STARVED`` (2) per stream it runs (``S``,
@@ -51,7 +55,7 @@ turns the whole thing off: always disaggregate.
 from __future__ import annotations
 
 from pdserve.services.gateway.config import GatewayConfig
-from pdserve.services.gateway.cost import measured_token_s
+from pdserve.services.gateway.cost import Job, measured_token_s, now, tokens_to_compute
 from pdserve.services.gateway.registry import Worker
 
 RATE_WEIGHT = 0.2  # of a new measurement in the average
@@ -60,6 +64,7 @@ RATE_WEIGHT = 0.2  # of a new measurement in the average
 STARVED = 2
 
 SHORT_PROMPT = "short_prompt"
+HELD_HERE = "held_here"
 PREFILL_BUSY = "prefill_busy"
 DISAGGREGATED = "disaggregated"
 
@@ -88,13 +93,25 @@ def weighed(prefill: Worker, decode: Worker) -> dict:
     return {"prefill_prompts": prefill.prompts, "decode_streams": decode.streams + decode.prompts}
 
 
-def decide(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig) -> str:
-    """SHORT_PROMPT or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED. ``num_tokens``:
-    the prompt tokens ``decode`` would compute."""
+def place(job: Job, prefill: Worker, decode: Worker, cfg: GatewayConfig, stale_s: float) -> str:
+    """``decide`` for ``job``, from the prompt tokens each worker is expected to compute."""
+    t = now()
+    here, there = (tokens_to_compute(w, job, t, stale_s) for w in (decode, prefill))
+    return decide(here, prefill, decode, cfg, there)
+
+
+def decide(
+    num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig, there: int | None = None
+) -> str:
+    """SHORT_PROMPT, HELD_HERE or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED.
+    ``num_tokens``: the prompt tokens ``decode`` would compute; ``there``: those ``prefill``
+    would (None: as many)."""
     if cfg.decode_prefill_budget_s <= 0:
         return DISAGGREGATED
     if num_tokens <= cfg.local_prefill_tokens:
         return SHORT_PROMPT
+    if there is not None and num_tokens < there and not (decode.streams or decode.prompts):
+        return HELD_HERE
     rate = prefill.prefill_rate
     if not rate:  # none measured here yet: the worker's own, if it reported one
         token_s = measured_token_s(prefill, prefill.report)

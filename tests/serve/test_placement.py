@@ -76,6 +76,26 @@ def test_decisions(tokens, prefill_state, decode_state, want):
     assert placement.decide(tokens, p, d, CFG) == want
 
 
+@pytest.mark.parametrize(
+    "here, there, decode_state, want",
+    [
+        # it holds more of the prompt (a reply it generated) and runs nothing of ours
+        (60, 110, {}, placement.HELD_HERE),
+        (60, 61, {}, placement.HELD_HERE),
+        (60, 60, {}, DISAGGREGATED),  # as much there: the prefill worker's core is free
+        (110, 60, {}, DISAGGREGATED),
+        # a stream, or a prompt it is prefilling itself: its TPOT comes first
+        (60, 110, {"streams": 1}, DISAGGREGATED),
+        (60, 110, {"prompts": 1}, DISAGGREGATED),
+    ],
+)
+def test_an_idle_decode_worker_prefills_what_it_holds_more_of(here, there, decode_state, want):
+    p, d = _worker("prefill", prefill_rate=1000.0), _worker("decode", **decode_state)
+    assert placement.decide(here, p, d, CFG, there) == want
+    off = GatewayConfig(decode_prefill_budget_s=0)
+    assert placement.decide(here, p, d, off, there) == DISAGGREGATED
+
+
 # At 1,000 prompt tokens/s measured: prompt tokens to compute here, those queued at the prefill
 # worker and the prompts waiting there (P), the decode worker's streams, own prefills (S: both)
 # and the prompt tokens it has taken on
@@ -171,12 +191,12 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker_and_a_long_one_is_ship
 
 
 def _second_request(cluster, first: list[int], params: SamplingParams, then):
-    """On 1 prefill + 1 decode workers: ``first``, then the prompt ``then(first's tokens)``
-    gives; the cluster and the second's response, whose tokens are checked against those of
-    a cluster that saw only it."""
+    """On 1 prefill + 1 decode workers: ``first``, then the prompt ``then(the cluster, first's
+    tokens)`` gives; the cluster and the second's response, whose tokens are checked against
+    those of a cluster that saw only it."""
     c = cluster(prefill=1, decode=1, decode_prefill_budget_s=0.5)
     with Client(c.address, timeout=60) as client:
-        second = then(list(client.complete(first, params).token_ids))
+        second = then(c, list(client.complete(first, params).token_ids))
         got = client.complete(second, params)
     off = cluster(prefill=1, decode=1)
     with Client(off.address, timeout=60) as client:
@@ -190,7 +210,7 @@ def test_a_prompt_whose_prefix_its_decode_worker_holds_is_prefilled_there(cluste
     tokens to compute there: short, prefilled where its prefix is."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     first = list(range(5, 105))  # 100 tokens (6 full blocks of 16): shipped
-    c, got = _second_request(cluster, first, params, lambda _: first + [7, 8, 9])
+    c, got = _second_request(cluster, first, params, lambda _c, _t: first + [7, 8, 9])
     assert c.served("prefill-0") == 1
     assert c.gateway_metric("pdserve_placement_total", reason="disaggregated") == 1
     assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
@@ -206,10 +226,29 @@ def test_a_chats_next_turn_is_prefilled_where_its_reply_was_generated(cluster):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     first = list(range(5, 105))
     c, got = _second_request(
-        cluster, first, params, lambda reply: first + reply + list(range(7, 14))
+        cluster, first, params, lambda _c, reply: first + reply + list(range(7, 14))
     )
     assert c.served("prefill-0") == 1
     assert c.gateway_metric("pdserve_placement_total", reason="short_prompt") == 1
+    assert got.usage.cached_prompt_tokens == 128
+    assert_no_leaks(c.live())
+
+
+def test_a_chats_next_turn_goes_to_an_idle_decode_worker_that_holds_more_of_it(cluster):
+    """A longer new message (40 tokens: 180 in all) leaves the decode worker 52 tokens to compute
+    (over the short prompts' 32) and the prefill worker 84 (it holds the first prompt's 96, not
+    the reply): with no stream of ours there, the decode worker prefills it."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = list(range(5, 105))
+
+    def next_turn(c, reply: list[int]) -> list[int]:
+        d = c.gateway.gateway.registry.workers[c.workers["decode-0"].worker_id]
+        wait_until(lambda: d.streams == d.prompts == 0, 10, "the first request to end there")
+        return first + reply + list(range(7, 47))
+
+    c, got = _second_request(cluster, first, params, next_turn)
+    assert c.served("prefill-0") == 1
+    assert c.gateway_metric("pdserve_placement_total", reason="held_here") == 1
     assert got.usage.cached_prompt_tokens == 128
     assert_no_leaks(c.live())
 
