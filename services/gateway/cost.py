@@ -19,7 +19,8 @@ gateway's own requests in flight, as ``least_loaded`` does.
 The cached prefix is the prompt's leading run of block hashes found in the worker's filter or
 among the prompts this gateway has sent there that are still there or ended less than two reports
 ago (maybe not in a filter yet, maybe still being computed: a prompt that shares it waits for it
-there; with what a decode or colocated worker generated for them), times the share of such prefixes its prompts have found there (``record_hits``).
+there; with what a decode or colocated worker generated for them), times the share of such
+prefixes its prompts have found there (``record_hits``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.services.gateway.registry import Worker
@@ -228,7 +230,7 @@ def work_and_belief(worker: Worker, job: Job, now: float, stale_s: float) -> tup
     return len(job.prompt_ids) - discounted(worker, believed), believed
 
 
-def prompt_ended(worker: Worker, job: Job, computed: bool, generated: list[int] = ()) -> None:
+def prompt_ended(worker: Worker, job: Job, computed: bool, generated: Sequence[int] = ()) -> None:
     """The prompt ``prompt_sent`` sent to ``worker`` has ended there (``Worker.prompt_ended``).
     ``generated``: the tokens a colocated or decode worker generated for it; it keeps the full
     blocks they filled (but the last token's: its KV was never written) as it keeps the prompt's
