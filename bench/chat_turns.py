@@ -44,7 +44,7 @@ async def session(
     each."""
     messages = [generation_pb2.ChatMessage(role="system", content=system)]
     params = sampling_to_proto(
-        SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=not args.eos)
     )
     turns = []
     for _ in range(args.turns):
@@ -100,6 +100,12 @@ def main() -> None:
         default=None,
         help="the gateway's (disaggregated: prompts that leave the decode worker at most this "
         "many tokens to compute are prefilled there)",
+    )
+    p.add_argument(
+        "--eos",
+        action="store_true",
+        help="a reply ends at the model's end of turn (at most --output-len tokens); default: "
+        "every reply is --output-len tokens (ignore_eos)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
