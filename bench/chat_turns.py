@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 
 from bench.common import DISAGGREGATED, cluster  # noqa: E402
-from bench.prefix_routing import words  # noqa: E402
+from bench.prefix_routing import add_chat_options, words  # noqa: E402
 from pdserve.bench_offline import cpu_model  # noqa: E402
 from pdserve.bench_serve import percentiles  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
@@ -84,17 +84,9 @@ async def one_round(address: str, round_no: int, args) -> list[list[tuple[float,
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", choices=sorted(SHAPES), default="colocated")
-    for flag, kind, default, what in (
-        ("--rounds", int, 2, "rounds measured, after one warm-up round"),
-        ("--sessions", int, 4, "chat sessions at once"),
-        ("--turns", int, 6, "turns per session"),
-        ("--system-words", int, 300, "the system prompt's words"),
-        ("--output-len", int, 64, "tokens per reply"),
-        ("--think-s", float, 1.0, "a user waits uniform(0, this) seconds before each turn"),
-        ("--seed", int, 0, ""),
-    ):
-        p.add_argument(flag, type=kind, default=default, help=what)
-    p.add_argument("--user-words", type=lambda s: tuple(map(int, s.split("-"))), default=(20, 40))
+    defaults = {"--rounds": 2, "--sessions": 4, "--turns": 6, "--system-words": 300}
+    add_chat_options(p, defaults | {"--output-len": 64, "--think-s": 1.0})
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--local-prefill-tokens",
         default=None,

@@ -42,6 +42,24 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+CHAT_OPTIONS = (  # flag, type, help: the chat benchmarks' (this one, bench/chat_turns.py)
+    ("--rounds", int, "rounds measured"),
+    ("--sessions", int, "chat sessions at once"),
+    ("--turns", int, "turns per session"),
+    ("--system-words", int, "each system prompt's words"),
+    ("--output-len", int, "tokens per reply"),
+    ("--think-s", float, "a user waits uniform(0, this) seconds before each turn"),
+)
+
+
+def add_chat_options(p: argparse.ArgumentParser, defaults: dict, helps: dict | None = None):
+    """CHAT_OPTIONS with these defaults (and helps where given), and ``--user-words LO-HI``."""
+    for flag, kind, what in CHAT_OPTIONS:
+        help_ = (helps or {}).get(flag, what)
+        p.add_argument(flag, type=kind, default=defaults[flag], help=help_)
+    p.add_argument("--user-words", type=lambda s: tuple(map(int, s.split("-"))), default=(20, 40))
+
+
 async def session(stub, system: str, rng: random.Random, args, key: str) -> list[float]:
     """One chat session's turns, one after the other; the TTFT of each."""
     messages = [generation_pb2.ChatMessage(role="system", content=system)]
@@ -99,17 +117,16 @@ def main() -> None:
         "not in lock step: round robin would otherwise keep each session on one worker whenever "
         "the session count is even)"
     )
-    for flag, kind, default, what in (
-        ("--rounds", int, 4, "alternating, the other policy first"),
-        ("--sessions", int, 8, "chat sessions at once"),
-        ("--turns", int, 6, "turns per session"),
-        ("--system-words", int, 600, "each system prompt's words"),
-        ("--system-prompts", int, 1, "distinct system prompts per round (session i: i mod this)"),
-        ("--output-len", int, 32, "tokens per reply"),
-        ("--think-s", float, 2.0, think),
-    ):
-        p.add_argument(flag, type=kind, default=default, help=what)
-    p.add_argument("--user-words", type=lambda s: tuple(map(int, s.split("-"))), default=(20, 40))
+    defaults = {"--rounds": 4, "--sessions": 8, "--turns": 6, "--system-words": 600}
+    defaults |= {"--output-len": 32, "--think-s": 2.0}
+    helps = {"--rounds": "alternating, the other policy first", "--think-s": think}
+    add_chat_options(p, defaults, helps)
+    p.add_argument(
+        "--system-prompts",
+        type=int,
+        default=1,
+        help="distinct system prompts per round (session i: i mod this)",
+    )
     p.add_argument("--affinity", action="store_true", help="send each session's id as its key")
     p.add_argument("--kv-cache-bytes", default="1G", help="the decode worker's")
     p.add_argument(
