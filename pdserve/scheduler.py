@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.kv_cache.allocator import BlockAllocator, hash_block, prefix_block_hashes
+from pdserve.kv_cache.allocator import BlockAllocator, prefix_block_hashes
 from pdserve.sequence import Sequence, SequenceStatus
 
 
@@ -228,16 +228,16 @@ class Scheduler:
         sends this turn's prompt and reply again, and then finds both here and computes only the
         new message. The hashes chain on from the prompt's, over the tokens in order, so a later
         prompt matches them only where its tokens are these."""
-        bs, hashes = self.block_size, seq.block_hashes
+        bs, n = self.block_size, len(seq.block_hashes)
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        if full <= len(hashes):
+        if full <= n:
             return
-        parent = hashes[-1] if hashes else None
-        tokens = [*seq.prompt_token_ids[len(hashes) * bs :], *seq.output_token_ids]
-        for i in range(len(hashes), full):
-            start = (i - len(hashes)) * bs
-            parent = hash_block(parent, tokens[start : start + bs])
-            self.allocator.register_hash(seq.block_table[i], parent)
+        tokens = [*seq.prompt_token_ids[n * bs :], *seq.output_token_ids][: (full - n) * bs]
+        parent = seq.block_hashes[-1] if n else None
+        for block, block_hash in zip(
+            seq.block_table[n:full], prefix_block_hashes(tokens, bs, parent), strict=True
+        ):
+            self.allocator.register_hash(block, block_hash)
 
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for the request's whole lifetime, reusing cached full prompt blocks (all or nothing)."""

@@ -35,10 +35,12 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: bytes | None = None
+) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none), chained on
+    from ``parent`` (the hash of the block before them; None: they start the sequence)."""
     hashes: list[bytes] = []
-    parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -239,10 +239,11 @@ def prompt_ended(worker: Worker, job: Job, computed: bool, generated: Sequence[i
     size = worker.recent_block_size
     if not size:
         return
-    hashes = job.hashes(size)
-    kept = ()
-    if computed and len(generated) > 1:
-        kept = prefix_block_hashes([*job.prompt_ids, *generated[:-1]], size)[len(hashes) :]
+    hashes, kept = job.hashes(size), ()
+    if computed and len(generated) > 1:  # on from the prompt's blocks, not all of them again
+        n = len(hashes)
+        tokens = [*job.prompt_ids[n * size :], *generated[:-1]]
+        kept = prefix_block_hashes(tokens, size, hashes[-1] if n else None)
     worker.prompt_ended(hashes, computed, kept)
 
 
