@@ -99,10 +99,16 @@ def main() -> None:
         help="a reply ends at the model's end of turn (at most --output-len tokens); default: "
         "every reply is --output-len tokens (ignore_eos)",
     )
+    p.add_argument(
+        "--warm-replies",
+        action="store_true",
+        help="disaggregated: the gateway sends each finished reply to its prefill worker to keep",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     local = args.local_prefill_tokens
     gateway_args = [] if local is None else ["--local-prefill-tokens", local]
+    gateway_args += ["--warm-replies"] * args.warm_replies
     with cluster(SHAPES[args.shape], gateway_args=gateway_args) as (address, _):
         asyncio.run(one_round(address, 1000, args))  # warm-up
         by_turn: list[list[tuple[float, int, int, float]]] = [[] for _ in range(args.turns)]

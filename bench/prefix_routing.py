@@ -141,6 +141,12 @@ def main() -> None:
         help="the gateways' (default: theirs; 0: every prompt to a prefill worker, so only the "
         "routing between the prefill workers differs)",
     )
+    p.add_argument(
+        "--warm-replies",
+        action="store_true",
+        help="both gateways send each finished reply to its prefill worker to keep (a chat's "
+        "next turn finds it there)",
+    )
     p.add_argument("--against", default="round_robin", help="the policy cost is compared with")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -151,6 +157,7 @@ def main() -> None:
         if args.decode_prefill_budget is None
         else ["--decode-prefill-budget", args.decode_prefill_budget]
     )
+    budget += ["--warm-replies"] * args.warm_replies
     gateway_args = {policy: ["--policy", policy, *budget] for policy in policies}
     workers = [
         [

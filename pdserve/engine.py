@@ -162,6 +162,20 @@ class LLMEngine:
         self._seqs[request_id].decode_idle = decode_idle
         return self.kv_out.add(request_id, sender, skip_blocks)
 
+    def add_warm(self, prompt_token_ids: list[int], request_id: str) -> None:
+        """Prefill side: compute ``prompt_token_ids`` only to leave their KV in the prefix cache
+        (a chat's reply, which its decode worker generated: the next turn sends it again), in
+        steps that compute no other prompt (``Scheduler._schedule_warm``). Its output is its
+        one sampled token, finished; nothing is sent."""
+        one = SamplingParams(max_tokens=1)
+        self.validate(prompt_token_ids, one)
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), one, warm=True)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        self._texts[request_id] = TextStream(None, seq.prompt_token_ids, ())
+
     def release_held(self, request_id: str) -> None:
         """The transfer that read a finished request's blocks is over: free them (idempotent)."""
         held = self._held.pop(request_id, None)
@@ -247,7 +261,9 @@ class LLMEngine:
         """Prefill side: every prompt here is for a decode worker that runs nothing else
         (``add_prefill(decode_idle=True)``)."""
         s = self.scheduler
-        return all(seq.decode_idle for seq in (*s.running, *s.waiting))
+        seqs = (*s.running, *s.waiting, *s.warming)
+        real = [seq for seq in seqs if not seq.warm]  # a warm-up's step borrows nothing
+        return all(seq.decode_idle for seq in real) and bool(real or not seqs)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

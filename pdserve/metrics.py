@@ -107,6 +107,13 @@ class GatewayMetrics(_Metrics):
             ["reason"],
             registry=r,
         )
+        self.warm_replies = Counter(
+            "pdserve_warm_replies",
+            "Finished replies sent to their prefill worker to keep in its prefix cache "
+            "(--warm-replies), by outcome: done, refused (too many wait there), failed",
+            ["outcome"],
+            registry=r,
+        )
         self.resumes = Counter(
             "pdserve_resumes",
             "Requests continued on another worker after tokens were streamed (the worker failed)",
@@ -262,6 +269,12 @@ class WorkerMetrics(_Metrics):
             "pdserve_kv_prefix_reused_tokens",
             "Prompt tokens a decode worker's admissions found in its prefix cache (whole blocks), "
             "whose KV was therefore not transferred",
+            registry=r,
+        )
+        self.warmed_tokens = Counter(
+            "pdserve_prefill_warm_tokens",
+            "Prompt tokens a prefill worker computed only to keep a finished reply's KV in its "
+            "prefix cache (the gateway's --warm-replies), in steps no request needed",
             registry=r,
         )
         self.kv_blocks = Gauge("pdserve_kv_blocks", "KV cache blocks", ["state"], registry=r)

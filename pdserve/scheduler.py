@@ -8,6 +8,10 @@ uncached prompt block a running prefill is computing (or, on a decode worker, a 
 bringing) waits for it, keeping its place (those behind it that do not wait go ahead), rather
 than computing the same prefix again beside it: chat sessions that share a system prompt and
 arrive together compute it once.
+
+Warm-ups (``Sequence.warm``: a prompt computed only to leave its KV in the prefix cache) wait in
+their own queue and run only in steps that compute no other prompt, ``WARM_CHUNK`` tokens at a
+time: a request that arrives meanwhile waits for one such step at most.
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ class ScheduledBatch:
         return bool(self.prefills or self.decodes)
 
 
+WARM_CHUNK = 32  # prompt tokens of warm-ups per step: what a request arriving meanwhile waits for
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
 def pending_hashes(seqs, block_size: int) -> set[bytes]:
     """The hashes of the full prompt blocks that these sequences have yet to compute or, awaiting
-    their KV, to receive (each is registered, and so found by ``lookup``, once there)."""
+    their KV, to receive (each is registered, and so found by ``lookup``, once there). Not a
+    warm-up's: it may wait behind other prompts, so a request computes such a prefix itself."""
     out: set[bytes] = set()
     for s in seqs:
-        if s.in_prefill:
+        if s.in_prefill and not s.warm:
             out.update(s.block_hashes[s.num_computed_tokens // block_size :])
     return out
 
@@ -62,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.awaiting_kv: list[Sequence] = []
+        self.warming: deque[Sequence] = deque()  # warm-ups not yet admitted (FCFS among them)
 
     def add(self, seq: Sequence) -> None:
         needed = blocks_needed(seq.max_kv_tokens, self.block_size)
@@ -72,10 +81,10 @@ class Scheduler:
             )
         if self.enable_prefix_caching:
             seq.block_hashes = prefix_block_hashes(seq.prompt_token_ids, self.block_size)
-        self.waiting.append(seq)
+        (self.warming if seq.warm else self.waiting).append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.warming)
 
     @property
     def num_seats_taken(self) -> int:
@@ -122,7 +131,7 @@ class Scheduler:
                 batch.decodes.append(seq)
                 budget -= 1
         for seq in self.running:
-            if seq.in_prefill and budget > 0:
+            if seq.in_prefill and not seq.warm and budget > 0:
                 n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
                 batch.prefills.append((seq, n))
                 budget -= n
@@ -144,18 +153,49 @@ class Scheduler:
             n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
             batch.prefills.append((seq, n))
             budget -= n
+        if not batch.prefills:
+            self._schedule_warm(batch, min(budget, WARM_CHUNK))
         return batch
+
+    def _schedule_warm(self, batch: ScheduledBatch, budget: int) -> None:
+        """Warm-ups, in a step that computes no other prompt: those under way first, then new
+        ones while no other request waits (those waiting for a prefix being computed included:
+        their blocks come first)."""
+        for seq in self.running:
+            if seq.warm and seq.in_prefill and budget > 0:
+                n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+                batch.prefills.append((seq, n))
+                budget -= n
+        while (
+            self.warming
+            and not self.waiting
+            and budget > 0
+            and self.num_seats_taken < self.config.max_num_seqs
+        ):
+            seq = self.warming[0]
+            if not self._allocate(seq):
+                return
+            self.warming.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+            batch.prefills.append((seq, n))
+            budget -= n
 
     def has_prompt_work(self) -> bool:
         """Whether a prompt waits or is being prefilled (the next step is not decode-only)."""
-        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+        return bool(self.waiting or self.warming) or any(s.in_prefill for s in self.running)
 
     def num_prompt_tokens_to_compute(self) -> int:
         """Prompt tokens still to compute here: the rest of running prefills, and the prompts
         waiting less their leading blocks cached or being computed. Read from another thread
         (heartbeats): works on copies taken in one C-level call each."""
         running = tuple(self.running)
-        n = sum(s.num_prompt_tokens - s.num_computed_tokens for s in running if s.in_prefill)
+        n = sum(
+            s.num_prompt_tokens - s.num_computed_tokens
+            for s in running
+            if s.in_prefill and not s.warm
+        )
         pending = self._pending()
         for seq in tuple(self.waiting):
             n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
@@ -209,7 +249,7 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            (self.warming if seq.warm else self.waiting).remove(seq)
         elif seq.status is SequenceStatus.AWAITING_KV:
             self.awaiting_kv.remove(seq)
         else:

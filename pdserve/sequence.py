@@ -44,6 +44,9 @@ class Sequence:
     generator: torch.Generator | None = None
     # prefill side: its decode worker runs nothing else (EngineLoop may borrow that one's cores)
     decode_idle: bool = False
+    # prefill side: computed only to leave its KV in the prefix cache (a chat's reply, so that
+    # the next turn finds it), in steps no other prompt needs (Scheduler: ``warming``)
+    warm: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -61,6 +61,7 @@ def gateway_config(args) -> GatewayConfig:
         stuck_step_floor_s=args.stuck_step_floor,
         stuck_step_factor=args.stuck_step_factor,
         affinity_slack_s=args.affinity_slack,
+        warm_replies=args.warm_replies,
     )
 
 
@@ -457,6 +458,13 @@ def _placement_arg(p: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="... but not a prompt longer than this while it runs streams (each would wait "
         "for all of it)",
+    )
+    p.add_argument(
+        "--warm-replies",
+        action="store_true",
+        help="send each finished reply to the prefill worker that computed its prompt, to keep "
+        "its KV in that worker's prefix cache: a chat's next turn computes only the new message "
+        "(computed in steps no request needs; costs the prefill workers' idle time)",
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x9b\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x04 \x01(\r\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\"\x95\x01\n\rKVDestination\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\":\n\x08\x41\x64mitted\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\x80\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"l\n\x0e\x44\x65\x63odeResponse\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x13\n\x0b\x64\x65\x63ode_idle\x18\x05 \x01(\x08\"W\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x18\n\x10overlap_fraction\x18\x04 \x01(\x01\"\x8b\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\"\x0e\n\x0cStatsRequest\"\xb9\x02\n\x0bWorkerStats\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x06 \x01(\x04\x12\x15\n\rengine_busy_s\x18\x07 \x01(\x01\x12\x1f\n\x17\x65ngine_step_predicted_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\t \x01(\x01\x12\x17\n\x0fprefill_token_s\x18\n \x01(\x01\x12\x31\n\x0eprefix_summary\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.PrefixSummary\"Z\n\rPrefixSummary\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_hashes\x18\x02 \x01(\r\x12\x12\n\nnum_probes\x18\x03 \x01(\r\x12\r\n\x05\x62loom\x18\x04 \x01(\x0c\"i\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"$\n\x10RegisterResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x89\x01\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xe8\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x9b\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rkv_timeout_ms\x18\x04 \x01(\r\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\"\x95\x01\n\rKVDestination\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\":\n\x08\x41\x64mitted\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\x80\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"l\n\x0e\x44\x65\x63odeResponse\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\xc5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x13\n\x0b\x64\x65\x63ode_idle\x18\x05 \x01(\x08\x12\x12\n\ncache_only\x18\x06 \x01(\x08\"W\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x18\n\x10overlap_fraction\x18\x04 \x01(\x01\"\x8b\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\"\x0e\n\x0cStatsRequest\"\xb9\x02\n\x0bWorkerStats\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x06 \x01(\x04\x12\x15\n\rengine_busy_s\x18\x07 \x01(\x01\x12\x1f\n\x17\x65ngine_step_predicted_s\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\t \x01(\x01\x12\x17\n\x0fprefill_token_s\x18\n \x01(\x01\x12\x31\n\x0eprefix_summary\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.PrefixSummary\"Z\n\rPrefixSummary\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_hashes\x18\x02 \x01(\r\x12\x12\n\nnum_probes\x18\x03 \x01(\r\x12\r\n\x05\x62loom\x18\x04 \x01(\x0c\"i\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"$\n\x10RegisterResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x89\x01\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xe8\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,33 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODERESPONSE']._serialized_start=565
   _globals['_DECODERESPONSE']._serialized_end=673
   _globals['_PREFILLREQUEST']._serialized_start=676
-  _globals['_PREFILLREQUEST']._serialized_end=853
-  _globals['_TRANSFERSTATS']._serialized_start=855
-  _globals['_TRANSFERSTATS']._serialized_end=942
-  _globals['_PREFILLRESPONSE']._serialized_start=945
-  _globals['_PREFILLRESPONSE']._serialized_end=1084
-  _globals['_STATSREQUEST']._serialized_start=1086
-  _globals['_STATSREQUEST']._serialized_end=1100
-  _globals['_WORKERSTATS']._serialized_start=1103
-  _globals['_WORKERSTATS']._serialized_end=1416
-  _globals['_PREFIXSUMMARY']._serialized_start=1418
-  _globals['_PREFIXSUMMARY']._serialized_end=1508
-  _globals['_REGISTERREQUEST']._serialized_start=1510
-  _globals['_REGISTERREQUEST']._serialized_end=1615
-  _globals['_REGISTERRESPONSE']._serialized_start=1617
-  _globals['_REGISTERRESPONSE']._serialized_end=1653
-  _globals['_HEARTBEATREQUEST']._serialized_start=1655
-  _globals['_HEARTBEATREQUEST']._serialized_end=1732
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1734
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1768
-  _globals['_DEREGISTERREQUEST']._serialized_start=1770
-  _globals['_DEREGISTERREQUEST']._serialized_end=1824
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1826
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1861
-  _globals['_DECODE']._serialized_start=1864
-  _globals['_DECODE']._serialized_end=2001
-  _globals['_PREFILL']._serialized_start=2004
-  _globals['_PREFILL']._serialized_end=2141
-  _globals['_REGISTRY']._serialized_start=2144
-  _globals['_REGISTRY']._serialized_end=2376
+  _globals['_PREFILLREQUEST']._serialized_end=873
+  _globals['_TRANSFERSTATS']._serialized_start=875
+  _globals['_TRANSFERSTATS']._serialized_end=962
+  _globals['_PREFILLRESPONSE']._serialized_start=965
+  _globals['_PREFILLRESPONSE']._serialized_end=1104
+  _globals['_STATSREQUEST']._serialized_start=1106
+  _globals['_STATSREQUEST']._serialized_end=1120
+  _globals['_WORKERSTATS']._serialized_start=1123
+  _globals['_WORKERSTATS']._serialized_end=1436
+  _globals['_PREFIXSUMMARY']._serialized_start=1438
+  _globals['_PREFIXSUMMARY']._serialized_end=1528
+  _globals['_REGISTERREQUEST']._serialized_start=1530
+  _globals['_REGISTERREQUEST']._serialized_end=1635
+  _globals['_REGISTERRESPONSE']._serialized_start=1637
+  _globals['_REGISTERRESPONSE']._serialized_end=1673
+  _globals['_HEARTBEATREQUEST']._serialized_start=1675
+  _globals['_HEARTBEATREQUEST']._serialized_end=1752
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1754
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1788
+  _globals['_DEREGISTERREQUEST']._serialized_start=1790
+  _globals['_DEREGISTERREQUEST']._serialized_end=1844
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1846
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1881
+  _globals['_DECODE']._serialized_start=1884
+  _globals['_DECODE']._serialized_end=2021
+  _globals['_PREFILL']._serialized_start=2024
+  _globals['_PREFILL']._serialized_end=2161
+  _globals['_REGISTRY']._serialized_start=2164
+  _globals['_REGISTRY']._serialized_end=2396
 # @@protoc_insertion_point(module_scope)

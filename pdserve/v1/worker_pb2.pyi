@@ -64,18 +64,20 @@ class DecodeResponse(_message.Message):
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "decode_idle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "decode_idle", "cache_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     DECODE_IDLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     destination: KVDestination
     decode_idle: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., decode_idle: _Optional[bool] = ...) -> None: ...
+    cache_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., decode_idle: _Optional[bool] = ..., cache_only: _Optional[bool] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("bytes", "seconds", "gbps", "overlap_fraction")

@@ -1,15 +1,36 @@
 """What the gateway reads from its calls to workers: token chunks, and a worker's failure as
-``WorkerFailed`` (the request goes on elsewhere) or the caller's own cancellation."""
+``WorkerFailed`` (the request goes on elsewhere) or the caller's own cancellation; and what it
+hands its callers: ``Delta``s, the last with the ``Usage``."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import grpc
 from pdserve.services.gateway.registry import Worker
 
+from pdserve.outputs import TokenLogprobs
 from pdserve.v1 import worker_pb2
 from pdserve.v1.convert import logprobs_from_proto
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    # prompt tokens the worker that computed the prompt took from its prefix cache (whole blocks)
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Delta:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage | None = None  # on the last delta
+    received_at: float = 0.0  # time.perf_counter() when its worker message arrived
 
 
 def chunk(c: worker_pb2.TokenChunk, num_cached: int):

@@ -27,7 +27,8 @@ class GatewayConfig:
     when a decode worker prefills a prompt itself instead of a prefill worker (``placement.py``);
     a budget of 0 always disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request
     with an affinity key to the prefill worker its key hashes to while that one's estimate is at
-    most this many seconds above the cheapest's.
+    most this many seconds above the cheapest's. ``warm_replies``: a disaggregated request's
+    reply is sent to its prefill worker, once finished, to keep in its prefix cache (warm.py).
 
     Hang detection (``watchdog.py``): each worker gets a fast probe (Stats, ``probe_timeout_s``)
     every ``probe_interval_s`` (0 turns the watchdog off) and a real one (a 1-token generation)
@@ -71,6 +72,7 @@ class GatewayConfig:
     stuck_step_floor_s: float = 2.0
     stuck_step_factor: float = 4.0
     affinity_slack_s: float = 0.5
+    warm_replies: bool = False
 
     def __post_init__(self) -> None:
         if not self.probe_interval_s >= 0:

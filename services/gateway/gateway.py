@@ -20,23 +20,23 @@ import itertools
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 from pdserve.services.gateway import cost as costs
 from pdserve.services.gateway import placement
 from pdserve.services.gateway.accounting import GatewayRequest
 from pdserve.services.gateway.auth import ApiKey, KeyStore, Limiter, Unauthenticated
-from pdserve.services.gateway.calls import WorkerFailed, call_failed, chunk, read
+from pdserve.services.gateway.calls import Delta, Usage, WorkerFailed, call_failed, chunk, read
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.prompt import Prompt, encode_async, max_prompt_chars
 from pdserve.services.gateway.registry import Worker, WorkerRegistry
 from pdserve.services.gateway.router import Router
+from pdserve.services.gateway.warm import ReplyWarmer
 
 from pdserve import telemetry
 from pdserve.metrics import GatewayMetrics
-from pdserve.outputs import TokenLogprobs
 from pdserve.rpc import Gate, StatusError
 from pdserve.sampling_params import SamplingParams
 from pdserve.text import TextStream
@@ -58,24 +58,6 @@ RETRYABLE = {
 
 class GatewayError(StatusError):
     """Ends a request with a status code and a message for the client."""
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    # prompt tokens the worker that computed the prompt took from its prefix cache (whole blocks)
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class Delta:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str = ""
-    usage: Usage | None = None  # on the last delta
-    received_at: float = 0.0  # time.perf_counter() when its worker message arrived
 
 
 class Gateway:
@@ -107,6 +89,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.keys = keys or KeyStore({})  # none: open to every caller
         self.limiter = Limiter(self.metrics)
+        self.warmer = ReplyWarmer(self.metrics) if self.config.warm_replies else None
         self._ids = itertools.count()
         self._instance = secrets.token_hex(3)  # this gateway's, in the ids it makes
         self._max_chars = max_prompt_chars(tokenizer, max_model_len)
@@ -436,7 +419,7 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
-        prefill_done = prefilled = admitted = streaming = False
+        prefill_done = prefilled = admitted = streaming = ended = False
         generated: list[int] = []  # the first token, then the decode worker's
         try:
             reader = read(call, decode, generated)
@@ -482,8 +465,11 @@ class Gateway:
             generated.append(resp.first_token.token_id)
             yield [resp.first_token.token_id], lp, "", resp.cached_prompt_tokens
             async for msg in reader:
+                ended = bool(msg.tokens.finish_reason)  # the caller stops reading after it
                 yield chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
+            if ended and self.warmer is not None:
+                self.warmer.reply_ended(prefill, job, generated, rid, md)
             decode.outstanding_tokens -= cost
             decode.done(decode_sent_at, 0, blocks)
             if streaming:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.services.gateway.gateway import Delta
+from pdserve.services.gateway.calls import Delta
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 
 from pdserve.outputs import TokenLogprobs

@@ -25,7 +25,8 @@ import uvicorn
 from pdserve.services.errors import STATUS_CODES
 from pdserve.services.gateway import openai_api as api
 from pdserve.services.gateway.auth import ApiKey
-from pdserve.services.gateway.gateway import Delta, Gateway
+from pdserve.services.gateway.calls import Delta
+from pdserve.services.gateway.gateway import Gateway
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request

@@ -265,6 +265,8 @@ class GatewayServer:
             self._health.cancel()
         if self.watchdog is not None:
             await self.watchdog.stop()
+        if self.gateway.warmer is not None:
+            await self.gateway.warmer.close()
         self.registry.on_change = None
         await self.server.set_serving(False)
         if self.http is not None:

@@ -11,8 +11,9 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from pdserve.services.gateway.calls import Delta
 from pdserve.services.gateway.cost import Report
-from pdserve.services.gateway.gateway import Delta, Gateway
+from pdserve.services.gateway.gateway import Gateway
 from pdserve.services.gateway.prompt import ChatMessage, Prompt
 from pdserve.services.gateway.registry import LayoutMismatchError, WorkerRegistry
 

@@ -27,6 +27,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def _prefill(
         self, request: worker_pb2.PrefillRequest, context
     ) -> worker_pb2.PrefillResponse:
+        parent = telemetry.from_metadata(context.invocation_metadata())
+        if request.cache_only:
+            cached = await self.worker.warm(
+                request.request_id, list(request.prompt_token_ids), parent
+            )
+            return worker_pb2.PrefillResponse(cached_prompt_tokens=cached)
         d = request.destination
         params = sampling_from_proto(request.sampling)
         dest = Destination(
@@ -49,7 +55,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             list(request.prompt_token_ids),
             params,
             dest,
-            telemetry.from_metadata(context.invocation_metadata()),
+            parent,
         )
         lp = logprobs_to_proto(out.new_logprobs[0]) or None
         first = lp if lp is not None else common_pb2.TokenLogprob(token_id=out.new_token_ids[0])

@@ -18,12 +18,14 @@ import time
 from dataclasses import dataclass
 
 from pdserve import rpc, telemetry
-from pdserve.engine import LLMEngine
+from pdserve.engine import AdmissionError, LLMEngine
 from pdserve.engine_loop import EngineLoop
 from pdserve.metrics import WorkerMetrics
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import KVTransport, PeerHandle, SendTransfer, TransferStats
+
+MAX_WARMING = 8  # warm-ups waiting on a prefill worker; more are refused (PrefillWorker.warm)
 
 
 @dataclass
@@ -195,6 +197,42 @@ class PrefillWorker:
                 task = asyncio.create_task(self._release_when_settled(request_id, tx))
                 self._releasing.add(task)
                 task.add_done_callback(self._releasing.discard)
+
+    async def warm(
+        self, request_id: str, token_ids: list[int], parent: telemetry.Context | None = None
+    ) -> int:
+        """Compute ``token_ids`` only to keep their KV in this worker's prefix cache (a chat's
+        prompt and reply, which the gateway sends after the reply ended: ``--warm-replies``), in
+        engine steps that compute no other prompt. Returns the tokens found cached. Refused
+        (AdmissionError) while ``MAX_WARMING`` warm-ups wait here: they would be stale by then."""
+        if len(self.engine.scheduler.warming) >= MAX_WARMING:
+            raise AdmissionError(
+                f"{MAX_WARMING} warm-ups wait on this prefill worker already; this one is dropped"
+            )
+        span = telemetry.start_span(
+            "prefill.warm", parent, {"request_id": request_id, "prompt_tokens": len(token_ids)}
+        )
+        q = self.loop.open_stream(request_id)  # refuses an id in flight
+        done = False
+        try:
+            await self.loop.call(lambda e: e.add_warm(token_ids, request_id))
+            out = await q.get()
+            done = True
+        except BaseException as e:
+            telemetry.end_span(span, e)
+            raise
+        finally:
+            self.loop.close_stream(request_id)
+            if not done:
+                await self.loop.cleanup(lambda e: e.abort_request(request_id))
+        computed = len(token_ids) - out.num_cached_tokens
+        self.metrics.warmed_tokens.inc(computed)
+        span.set_attribute("cached_prompt_tokens", out.num_cached_tokens)
+        telemetry.end_span(span)
+        telemetry.request_logger(request_id, span).info(
+            "prefill.warm", tokens=len(token_ids), computed=computed
+        )
+        return out.num_cached_tokens
 
     async def _release_when_settled(self, request_id: str, tx: SendTransfer) -> None:
         """Free the blocks an abandoned request's sends may still read, once they have ended

@@ -119,6 +119,7 @@ def test_every_gateway_config_field_has_an_option():
         "stuck_step_floor",
         "stuck_step_factor",
         "affinity_slack",
+        "warm_replies",
     }
     assert options <= set(args)
     assert len(options) == len(dataclasses.fields(GatewayConfig))
