@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
-from bench.common import DISAGGREGATED, cluster  # noqa: E402
+from bench.common import DISAGGREGATED, DISAGGREGATED_NO_BORROW, cluster  # noqa: E402
 from bench.prefix_routing import add_chat_options, words  # noqa: E402
 from pdserve.bench_offline import cpu_model  # noqa: E402
 from pdserve.bench_serve import percentiles  # noqa: E402
@@ -34,7 +34,11 @@ from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from pdserve.v1.convert import sampling_to_proto  # noqa: E402
 
-SHAPES = {"colocated": [["colocated", "--threads", "2"]], "disaggregated": DISAGGREGATED}
+SHAPES = {
+    "colocated": [["colocated", "--threads", "2"]],
+    "disaggregated": DISAGGREGATED,  # as pdserve up: each borrows the other's core while it idles
+    "disaggregated-own-cores": DISAGGREGATED_NO_BORROW,  # a core each, never lent
+}
 
 
 async def session(
