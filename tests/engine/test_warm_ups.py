@@ -6,6 +6,8 @@ every block is free once it ends."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from pdserve.services.gateway.warm import warm_tokens
@@ -163,3 +165,23 @@ def test_what_a_reply_warms(prompt_len, reply_len, expected):
     prompt, reply = list(range(prompt_len)), list(range(1000, 1000 + reply_len))
     got = warm_tokens(prompt, reply, 4)
     assert len(got) == expected and got == (prompt + reply)[:expected]
+
+
+def test_a_prefill_worker_refuses_warm_ups_beyond_the_ones_waiting(tiny_model):
+    """With ``MAX_WARMING`` warm-ups waiting, another is refused at once (AdmissionError:
+    RESOURCE_EXHAUSTED, which the gateway counts as ``refused``), before it reaches the engine."""
+    from pdserve.services.main import kv_layout
+    from pdserve.services.prefill.worker import MAX_WARMING, PrefillWorker
+
+    from pdserve.engine import AdmissionError
+    from pdserve.transfer import create_transport
+
+    folder, _ = tiny_model("gqa_untied")
+    e = engine(folder)
+    worker = PrefillWorker(e, create_transport("loopback", kv_layout(e, "tiny")))
+    for i in range(MAX_WARMING):
+        e.add_warm(A, f"w{i}")  # the worker's engine loop is not started: they stay waiting
+    with pytest.raises(AdmissionError, match=f"{MAX_WARMING} warm-ups wait"):
+        asyncio.run(worker.warm("one-more", A))
+    assert len(e.scheduler.warming) == MAX_WARMING and "one-more" not in e.requests_in_flight()
+    worker.transport.close()
