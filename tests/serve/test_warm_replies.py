@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import random
 
+import grpc
+import pytest
+
 from pdserve import Client, SamplingParams
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers import assert_no_leaks, wait_until
 
 BLOCK = 16  # the cluster's block size
@@ -71,4 +75,31 @@ def test_a_reply_that_fills_no_block_is_not_sent(cluster):
         client.complete(FIRST, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     wait_until(lambda: warm_replies(c, "done") == 1, 30, "the second reply warmed")
     assert warmed_tokens(c) == BLOCK  # the first sent nothing; the second one block
+    assert_no_leaks(c.live())
+
+
+def test_a_cache_only_prefill_of_a_bad_prompt_is_refused_clearly(cluster):
+    c = start(cluster, warm=True)
+    with grpc.insecure_channel(c.workers["prefill-0"].address) as ch:
+        stub = worker_pb2_grpc.PrefillStub(ch)
+        for ids, detail in (
+            ([], "prompt is empty"),
+            ([5, 10**9], "token id"),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="w", prompt_token_ids=ids, cache_only=True
+                    ),
+                    timeout=30,
+                )
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert detail in e.value.details()
+        # and a good one answers with what it found cached (nothing: a cold worker)
+        r = stub.Prefill(
+            worker_pb2.PrefillRequest(request_id="w", prompt_token_ids=FIRST, cache_only=True),
+            timeout=30,
+        )
+        assert r.cached_prompt_tokens == 0 and not r.HasField("first_token")
+    assert warmed_tokens(c) == len(FIRST)
     assert_no_leaks(c.live())
