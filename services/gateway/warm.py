@@ -70,12 +70,11 @@ class ReplyWarmer:
                 metadata=md,
             )
             outcome = "done"
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                outcome = "refused"
-            telemetry.logger().debug(
-                "gateway.warm_failed", worker=prefill.address, error=e.details()
-            )
+        except Exception as e:  # noqa: BLE001 - best effort: counted and logged, never raised
+            if isinstance(e, grpc.aio.AioRpcError):
+                refused = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                outcome = "refused" if refused else outcome
+            telemetry.logger().debug("gateway.warm_failed", worker=prefill.address, error=str(e))
         finally:
             prefill.prompt_ended(hashes, outcome == "done")
             self.metrics.warm_replies.labels(outcome).inc()
