@@ -10,7 +10,16 @@ from collections.abc import Callable
 
 from pdserve.services import cpus, launcher, lifecycle
 from pdserve.services.admin_cli import admin_commands
-from pdserve.services.gateway.config import POLICIES, GatewayConfig
+from pdserve.services.cli_options import (
+    drain_arg,
+    http_arg,
+    observability_args,
+    placement_arg,
+    policy_arg,
+    stream_interval_arg,
+    tls_args,
+)
+from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.registry import ROLES
 from pdserve.services.health_cli import cmd_health
 
@@ -90,18 +99,6 @@ def tls_config(args):
     )
 
 
-def _stream_interval_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--stream-interval",
-        type=float,
-        default=0.0,
-        metavar="MS",
-        help="send each request's new tokens at most every MS milliseconds, those produced "
-        "meanwhile in one message (the first and the last at once); fewer messages leave more "
-        "CPU to the steps when tokens come faster than that (default 0: every token at once)",
-    )
-
-
 def cluster_token(args) -> str | None:
     return args.cluster_token or envs.cluster_token()
 
@@ -170,8 +167,8 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     gw.add_argument("--model", default=DEFAULT_MODEL)
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=50051)
-    _http_arg(gw)
-    _policy_arg(gw)
+    http_arg(gw)
+    policy_arg(gw)
     gw.add_argument(
         "--affinity-slack",
         type=float,
@@ -218,7 +215,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="prompts this short are prefilled by their decode worker, not shipped from a prefill "
         "worker",
     )
-    _placement_arg(gw)
+    placement_arg(gw)
     gw.add_argument(
         "--queue-timeout",
         type=float,
@@ -286,7 +283,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="hashed API keys and their limits (pdserve keys add), re-read on SIGHUP "
         "(default: $PDSERVE_API_KEYS, else none: the gateway is open to anyone)",
     )
-    _drain_arg(gw)
+    drain_arg(gw)
     gw.add_argument(
         "--registry-port",
         type=int,
@@ -294,8 +291,8 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="serve the worker Registry on this port of its own (0 picks one; with --tls-ca it "
         "requires client certificates); default: on --port",
     )
-    _tls_args(gw)
-    _observability_args(gw, metrics_port=0)
+    tls_args(gw)
+    observability_args(gw, metrics_port=0)
     gw.set_defaults(func=cmd_gateway)
     admin_commands(sub)
     for role in ROLES:
@@ -337,18 +334,18 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             "pdserve_step_roofline_fraction",
         )
         if role != "prefill":
-            _stream_interval_arg(w)
-        _drain_arg(w)
-        _tls_args(w)
-        _observability_args(w, metrics_port=0)
+            stream_interval_arg(w)
+        drain_arg(w)
+        tls_args(w)
+        observability_args(w, metrics_port=0)
         w.set_defaults(func=cmd_worker)
     up = sub.add_parser("up", help="gateway + workers as local processes on loopback")
     engine_args(up)
-    _stream_interval_arg(up)
+    stream_interval_arg(up)
     up.add_argument("--port", type=int, default=50051)
-    _http_arg(up)
-    _placement_arg(up)
-    _policy_arg(up)
+    http_arg(up)
+    placement_arg(up)
+    policy_arg(up)
     up.add_argument(
         "--api-keys",
         default=None,
@@ -375,14 +372,14 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
         help="keep the decode worker's steps on its own core while the prefill worker's is idle "
         "(by default, with one of each pinned, they use both)",
     )
-    _drain_arg(up)
+    drain_arg(up)
     up.add_argument(
         "--tls",
         action="store_true",
         help="make a throwaway CA and certificates (in a temporary folder, removed on exit): TLS "
         "on the public port, mutual TLS between the processes",
     )
-    _observability_args(up, metrics_port=0)
+    observability_args(up, metrics_port=0)
     up.set_defaults(func=launcher.cmd_up)
     h = sub.add_parser("health", help="exit 0 iff a pdserve server answers SERVING (gRPC health)")
     h.add_argument("address", help="host:port")
@@ -393,114 +390,3 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
     h.add_argument("--tls-key", default=None, help="our private key (PEM)")
     h.add_argument("--tls-server-name", default=None, help="the name the server's cert carries")
     h.set_defaults(func=cmd_health)
-
-
-def _tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", default=None, help="this process's certificate (PEM): serve TLS")
-    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        help="the cluster CA (PEM): mutual TLS between gateway and workers; only holders of a "
-        "certificate it issued can register or serve",
-    )
-    p.add_argument(
-        "--tls-server-name",
-        default=None,
-        help="the name the cluster peers' certificates carry, checked instead of the host dialed "
-        "(e.g. workers that register by IP address)",
-    )
-    p.add_argument(
-        "--cluster-token",
-        default=None,
-        help=f"the secret workers register with (prefer ${envs.CLUSTER_TOKEN_ENV}: a flag shows "
-        "in the process list)",
-    )
-
-
-HTTP_PORT = 8000
-
-
-def _http_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=HTTP_PORT,
-        help=f"serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        f"/v1/models) on this port (default {HTTP_PORT}; 0 picks one, -1 turns it off)",
-    )
-
-
-def _policy_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--policy",
-        default=GatewayConfig.policy,
-        choices=POLICIES,
-        help="how the gateway picks workers: cost (the default: by the workers' reported queues, "
-        "speeds and prefix caches), least_loaded (this gateway's tokens in flight), round_robin",
-    )
-
-
-def _placement_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--decode-prefill-budget",
-        type=float,
-        default=GatewayConfig.decode_prefill_budget_s,
-        metavar="SECONDS",
-        help="a decode worker prefills a prompt itself while the prefill worker's queue is longer "
-        "and the seconds its own prefills hold its streams back (streams × seconds) fit in this "
-        "many per prompt waiting at the prefill worker (0: always disaggregate)",
-    )
-    p.add_argument(
-        "--decode-prefill-max-tokens",
-        type=int,
-        default=GatewayConfig.decode_prefill_max_tokens,
-        metavar="TOKENS",
-        help="... but not a prompt longer than this while it runs streams (each would wait "
-        "for all of it)",
-    )
-    p.add_argument(
-        "--warm-replies",
-        action="store_true",
-        help="send each finished reply to the prefill worker that computed its prompt, to keep "
-        "its KV in that worker's prefix cache: a chat's next turn computes only the new message "
-        "(computed in steps no request needs; costs the prefill workers' idle time)",
-    )
-
-
-def _drain_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=lifecycle.DRAIN_TIMEOUT_S,
-        help="on SIGTERM/SIGINT: stop taking requests, give the running ones this many seconds "
-        "to finish, then exit 0",
-    )
-
-
-def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
-    from pdserve.telemetry import LOG_FORMATS, TelemetryConfig
-
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=metrics_port,
-        help="serve Prometheus /metrics over HTTP on this port (0 picks one, -1 turns it off)",
-    )
-    p.add_argument(
-        "--otlp-endpoint",
-        default=TelemetryConfig.otlp_endpoint,
-        help="export traces over OTLP/gRPC here, e.g. http://localhost:4317 "
-        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
-    )
-    p.add_argument(
-        "--log-format",
-        default=TelemetryConfig.log_format,
-        choices=LOG_FORMATS,
-        help="auto: readable in a terminal, JSON lines otherwise",
-    )
-    p.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="let logs contain prompts and outputs (off by default)",
-    )
