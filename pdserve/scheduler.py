@@ -130,16 +130,10 @@ class Scheduler:
             if not seq.in_prefill and budget > 0:
                 batch.decodes.append(seq)
                 budget -= 1
-        for seq in self.running:
-            if seq.in_prefill and not seq.warm and budget > 0:
-                n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
-                batch.prefills.append((seq, n))
-                budget -= n
+        budget = self._continue_prefills(batch, budget, warm=False)
         pending = self._pending()
         i = 0  # the first waiting request not waiting for a prefix being computed
-        while (
-            i < len(self.waiting) and budget > 0 and self.num_seats_taken < self.config.max_num_seqs
-        ):
+        while i < len(self.waiting) and budget > 0 and self._seat_free():
             seq = self.waiting[i]
             if self._waits(seq, pending):
                 i += 1  # it keeps its place and reuses the prefix once computed
@@ -148,11 +142,7 @@ class Scheduler:
                 break  # FCFS: nobody overtakes a request that does not fit
             pending.update(pending_hashes((seq,), self.block_size))
             del self.waiting[i]
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
-            batch.prefills.append((seq, n))
-            budget -= n
+            budget = self._admit(batch, seq, budget)
         if not batch.prefills:
             self._schedule_warm(batch, min(budget, WARM_CHUNK))
         return batch
@@ -161,26 +151,34 @@ class Scheduler:
         """Warm-ups, in a step that computes no other prompt: those under way first, then new
         ones while no other request waits (those waiting for a prefix being computed included:
         their blocks come first)."""
-        for seq in self.running:
-            if seq.warm and seq.in_prefill and budget > 0:
-                n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
-                batch.prefills.append((seq, n))
-                budget -= n
-        while (
-            self.warming
-            and not self.waiting
-            and budget > 0
-            and self.num_seats_taken < self.config.max_num_seqs
-        ):
-            seq = self.warming[0]
-            if not self._allocate(seq):
+        budget = self._continue_prefills(batch, budget, warm=True)
+        while self.warming and not self.waiting and budget > 0 and self._seat_free():
+            if not self._allocate(self.warming[0]):
                 return
-            self.warming.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
-            batch.prefills.append((seq, n))
-            budget -= n
+            budget = self._admit(batch, self.warming.popleft(), budget)
+
+    def _seat_free(self) -> bool:
+        return self.num_seats_taken < self.config.max_num_seqs
+
+    def _continue_prefills(self, batch: ScheduledBatch, budget: int, warm: bool) -> int:
+        """The next chunk of each running prefill (of warm-ups, or of requests), within
+        ``budget``; returns what is left of it."""
+        for seq in self.running:
+            if seq.in_prefill and seq.warm == warm and budget > 0:
+                budget = self._chunk(batch, seq, budget)
+        return budget
+
+    def _admit(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """``seq``, its blocks allocated, joins the running batch with its first chunk."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return self._chunk(batch, seq, budget)
+
+    @staticmethod
+    def _chunk(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        n = min(budget, seq.num_prompt_tokens - seq.num_computed_tokens)
+        batch.prefills.append((seq, n))
+        return budget - n
 
     def has_prompt_work(self) -> bool:
         """Whether a prompt waits or is being prefilled (the next step is not decode-only)."""

@@ -239,12 +239,20 @@ def prompt_ended(worker: Worker, job: Job, computed: bool, generated: Sequence[i
     size = worker.recent_block_size
     if not size:
         return
-    hashes, kept = job.hashes(size), ()
-    if computed and len(generated) > 1:  # on from the prompt's blocks, not all of them again
-        n = len(hashes)
-        tokens = [*job.prompt_ids[n * size :], *generated[:-1]]
-        kept = prefix_block_hashes(tokens, size, hashes[-1] if n else None)
-    worker.prompt_ended(hashes, computed, kept)
+    kept = reply_hashes(job, size, generated) if computed else ()
+    worker.prompt_ended(job.hashes(size), computed, kept)
+
+
+def reply_hashes(job: Job, size: int, generated: Sequence[int]) -> list[bytes]:
+    """The hashes of the full blocks after ``job.hashes(size)`` that the prompt's tail and the
+    reply ``generated`` fill, but the reply's last token (its KV is never written); chained on
+    from the prompt's, not hashing all of it again. [] for a reply of one token or none."""
+    if len(generated) < 2:
+        return []
+    hashes = job.hashes(size)
+    n = len(hashes)
+    tokens = [*job.prompt_ids[n * size :], *generated[:-1]]
+    return prefix_block_hashes(tokens, size, hashes[-1] if n else None)
 
 
 def prompt_sent(worker: Worker, job: Job) -> None:

@@ -24,7 +24,6 @@ from pdserve.services.gateway.cost import Job
 from pdserve.services.gateway.registry import Worker
 
 from pdserve import telemetry
-from pdserve.kv_cache.allocator import prefix_block_hashes
 from pdserve.metrics import GatewayMetrics
 from pdserve.v1 import worker_pb2
 
@@ -55,12 +54,16 @@ class ReplyWarmer:
         tokens = warm_tokens(job.prompt_ids, generated, size)
         if not tokens:
             return
-        task = asyncio.create_task(self._warm(prefill, tokens, size, f"{request_id}.warm", md))
+        # the same blocks' hashes, the prompt's as routing already hashed them, then the reply's
+        hashes = [*job.hashes(size), *costs.reply_hashes(job, size, generated)]
+        warm = self._warm(prefill, tokens, hashes, size, f"{request_id}.warm", md)
+        task = asyncio.create_task(warm)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _warm(self, prefill: Worker, tokens: list[int], size: int, rid: str, md) -> None:
-        hashes = prefix_block_hashes(tokens, size)
+    async def _warm(
+        self, prefill: Worker, tokens: list[int], hashes: list[bytes], size: int, rid: str, md
+    ) -> None:
         prefill.prompt_cached(hashes, size)  # counted as cached there from now on, as any prompt
         outcome = "failed"
         try:
