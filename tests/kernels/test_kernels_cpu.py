@@ -29,8 +29,15 @@ def decode_args(paged_case, dtype=torch.float32):
     return case, (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
 
 
+@pytest.fixture(scope="module")
+def variant_builds(tmp_path_factory):
+    """One cache directory for the module's variant libraries (the emulated, AVX2 and portable
+    builds): each is compiled once (the cache key holds its flags), not once per test case."""
+    return tmp_path_factory.mktemp("kernel-variants")
+
+
 @pytest.fixture(params=["machine", "emulated", "avx2"])
-def attention_build(request, tmp_path, monkeypatch):
+def attention_build(request, variant_builds, monkeypatch):
     """The library a test of the parts path runs on: this machine's own (AVX512-BF16 where it has
     it); "emulated" (bf16 cases), where it lacks AVX512-BF16 but has AVX-512, one built with those
     two instructions written in AVX-512F (kernels/cpu/bf16_emulated.h, a stand-in for tests only),
@@ -44,7 +51,7 @@ def attention_build(request, tmp_path, monkeypatch):
             pytest.skip("bf16 pools take the portable path without AVX512-BF16")
         if not ops.attention_f32_512():
             pytest.skip("no AVX-512 here: the machine's library is the AVX2 (or portable) one")
-        monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("PDSERVE_CACHE_DIR", str(variant_builds))
         flags = ("-mno-avx512f",)
         lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=flags))
         assert lib.pdserve_paged_attention_f32_parts() and not lib.pdserve_paged_attention_f32_512()
@@ -54,7 +61,7 @@ def attention_build(request, tmp_path, monkeypatch):
         pytest.skip("fp32: the machine's library covers it")
     if ops.attention_bf16_native():
         pytest.skip("this machine runs the real AVX512-BF16 instructions (the 'machine' case)")
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(variant_builds))
     flags = ("-DPDSERVE_EMULATE_AVX512BF16",)
     lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=flags))
     if not lib.pdserve_paged_attention_native():
@@ -64,10 +71,10 @@ def attention_build(request, tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def portable_attention(tmp_path, monkeypatch):
+def portable_attention(variant_builds, monkeypatch):
     """ops' attention library built without AVX (its portable paths: CPUs without AVX2, other
     architectures, head sizes other than 64 and 128), in place of the machine's own for the test."""
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(variant_builds))
     lib = ops.declare_attention(build.load_library(ops._SOURCE, extra_flags=("-mno-avx",)))
     assert not lib.pdserve_paged_attention_f32_parts()
     monkeypatch.setattr(ops, "_library", lambda: lib)
