@@ -15,7 +15,12 @@ from pdserve.decode_graphs import DecodeGraphs
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
-from pdserve.model.llama import LlamaForCausalLM, RotaryEmbedding, load_hf_state_dict
+from pdserve.model.llama import (
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    load_hf_state_dict,
+    weights_to_be_loaded,
+)
 from pdserve.model.quantize import quantize_model, weight_bytes, weight_rows
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
@@ -37,7 +42,8 @@ def load_model(
     max_positions: int,
     quantization: str = "none",
 ) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
+    with weights_to_be_loaded():
+        model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
     load_hf_state_dict(model, load_state_dict(folder, dtype))
     model = model.to(device=device, dtype=dtype).eval()
     model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pdserve.kernels import GGUF_TYPES, QuantizedWeight
+from pdserve.model.gguf_index import read_index
 
 # GGUF tensor name -> Hugging Face tensor name; "{bid}" is the decoder layer index.
 GGUF_TO_HF: dict[str, str] = {
@@ -241,18 +242,18 @@ def convert_gguf(
 def quantized_tensors(gguf_path: Path, cfg) -> dict[str, QuantizedWeight]:
     """The GGUF file's Q4_0/Q4_1/Q8_0 tensors under their Hugging Face names, as the file holds
     their blocks (one uint8 row per output row; q/k rows unpermuted like the dense conversion);
-    ``cfg``: the model's ``ModelConfig``. Tensors of other types are left out."""
-    reader = GGUFReader(gguf_path)
+    ``cfg``: the model's ``ModelConfig``. Tensors of other types are left out. Read through the
+    file's tensor index alone (``gguf_index``): a worker's start does not decode the metadata."""
     heads = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
     out: dict[str, QuantizedWeight] = {}
-    for t in reader.tensors:
+    for t in read_index(gguf_path):
         mapped = hf_tensor_name(t.name)
-        if mapped is None or int(t.tensor_type) not in GGUF_TYPES or len(t.shape) != 2:
+        if mapped is None or t.tensor_type not in GGUF_TYPES or len(t.shape) != 2:
             continue
         name, pattern = mapped
-        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists [in, out]
-        data = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+        shape = (t.shape[1], t.shape[0])  # GGUF lists [in, out]
+        data = t.read(gguf_path).reshape(shape[0], -1)
         if pattern in PERMUTED_ROWS:
             data = unpermute_rows(data, heads[PERMUTED_ROWS[pattern]])
-        out[name] = QuantizedWeight(data.contiguous(), int(t.tensor_type), shape)
+        out[name] = QuantizedWeight(data.contiguous(), t.tensor_type, shape)
     return out
