@@ -7,17 +7,28 @@ Each component receives only the piece it needs (the runner a ``CacheConfig``, t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve import envs
 
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-}
+if TYPE_CHECKING:
+    import torch
+
+# dtype name (or alias) -> torch's name for it. torch is imported where a dtype is made, not here:
+# the CLI reads these defaults for every command, and the gateway never needs torch.
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # name -> torch.dtype, as DTYPE_NAMES, for the engine's side
+        return {alias: _dtype(alias) for alias in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -39,15 +50,14 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     Measured on a 2-core Zen 3 (AVX2 only): bf16 linear layers at 32 tokens were 4x slower than fp32.
     """
     if name == "auto":
-        if device.startswith("cuda") or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    try:
-        return DTYPES[name]
-    except KeyError:
+        return _dtype(
+            "bfloat16" if device.startswith("cuda") or cpu_has_native_bf16() else "float32"
+        )
+    if name not in DTYPE_NAMES:
         raise ValueError(
-            f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}"
-        ) from None
+            f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPE_NAMES)}"
+        )
+    return _dtype(name)
 
 
 # The KV cache's element type (``--kv-cache-dtype``): "auto" is the activation dtype, except under
@@ -68,13 +78,15 @@ def resolve_kv_cache_dtype(
     (rope/write falls back to torch, prefill attention does not mix them), and no kernel reads
     fp32 pools with bf16 queries fast (refused rather than run on the reference path).
     ValueError otherwise, saying what is allowed."""
+    import torch
+
     cpu = torch.device(device).type == "cpu"
     if name == "auto":
         quantized = quantization not in ("none", "auto")
         return torch.bfloat16 if dtype == torch.float32 and cpu and quantized else dtype
-    if name not in DTYPES:
+    if name not in DTYPE_NAMES:
         raise _unsupported_kv_cache_dtype(name)
-    kv = DTYPES[name]
+    kv = _dtype(name)
     if kv == dtype:
         return kv
     names = f"a {_name(kv)} KV cache with {_name(dtype)} activations"
@@ -136,7 +148,7 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
             )
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
             raise _unsupported_kv_cache_dtype(self.kv_cache_dtype)
 
 
@@ -171,9 +183,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"dtype {self.dtype!r} is not supported; use one of: auto, {', '.join(DTYPES)}"
+                f"dtype {self.dtype!r} is not supported; use one of: auto, {', '.join(DTYPE_NAMES)}"
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.exceptions import AdmissionError
 from pdserve.kv_cache.allocator import BlockAllocator
 from pdserve.kv_connector import HeldBlocks, KVLanding, KVSender, OutgoingKV, PrefillConnector
 from pdserve.model.config import ModelConfig
@@ -35,10 +36,6 @@ class EngineStats:
     num_running: int
     num_waiting: int  # queued, or (decode) reserved and waiting for its KV
     outstanding_tokens: int  # prompt + max_tokens not yet generated, of every request here
-
-
-class AdmissionError(RuntimeError):
-    """The worker cannot take the request now (KV blocks or seats); another worker may."""
 
 
 class LLMEngine:

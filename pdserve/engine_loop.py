@@ -34,6 +34,7 @@ import torch
 
 from pdserve import kernels, telemetry
 from pdserve.engine import LLMEngine
+from pdserve.exceptions import EngineDeadError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.step_cost import EngineProgress, StepCost
@@ -41,11 +42,6 @@ from pdserve.step_cost import EngineProgress, StepCost
 T = TypeVar("T")
 WARM_UP_TOKENS = 64  # prompt tokens of each warm-up generation
 LAYER_MARKS_S = 0.25  # steps predicted at least this long mark each layer done (progress())
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has ended (it raised, or the loop was stopped): this worker serves no
-    more requests. UNAVAILABLE for the gateway, which tries another worker."""
 
 
 class OutputQueue(asyncio.Queue):

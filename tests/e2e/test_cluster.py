@@ -67,3 +67,19 @@ def test_64_concurrent_streams_complete_and_free_every_block(cluster):
         results = list(pool.map(run, jobs))
     assert results == [(n, "length") for _, n in jobs]
     assert_no_leaks(cluster.live())
+
+
+def test_the_gateway_serves_without_torch(cluster):
+    """The gateway holds no model: it never imports torch (~200 MB and ~1.7 s of its start),
+    not at start and not while it serves a request; a worker does (the check sees libtorch)."""
+    with Client(cluster.gateway, timeout=120) as c:
+        out = c.complete("Name a planet.", SamplingParams(max_tokens=4, temperature=0))
+    assert len(out.token_ids) == 4
+    gateway, worker = cluster.procs[0], cluster.procs[1]
+    assert not _maps_libtorch(gateway.pid)
+    assert _maps_libtorch(worker.pid)
+
+
+def _maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()

@@ -216,7 +216,7 @@ def test_quantized_at_load_on_small_models(tiny_model, kind, mode):
 
 
 def test_auto_quantization_takes_the_gguf_blocks_on_the_cpu(tmp_path):
-    from pdserve.model.gguf_convert import GGUF_COPY
+    from pdserve.model.fetch import GGUF_COPY
     from pdserve.model.quantize import resolve_quantization
 
     kept, bare = tmp_path / "kept", tmp_path / "bare"

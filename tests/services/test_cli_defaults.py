@@ -4,6 +4,8 @@ same configs as the dataclasses' defaults."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from pdserve.services import cli as serve_cli
@@ -311,3 +313,19 @@ def test_the_stream_interval_reaches_the_workers_that_stream():
         build_parser().parse_args(["prefill", "--stream-interval", "10"])
     with pytest.raises(ValueError, match="--stream-interval must be >= 0 ms, got -5"):
         stream_argv(build_parser().parse_args(["up", "--stream-interval", "-5"]), "decode")
+
+
+def test_the_transport_choices_are_the_transfer_packages_and_building_the_cli_needs_no_torch():
+    """The CLI names the KV transports without importing the transfer package (its options are
+    built for every command, the gateway's too, which never imports torch)."""
+    from pdserve.services.cli_options import KV_TRANSPORTS
+
+    from pdserve.transfer import TRANSPORTS
+
+    assert KV_TRANSPORTS == TRANSPORTS
+    code = (
+        "import sys; from pdserve.cli import build_parser; build_parser(); "
+        "import pdserve.services.gateway.server; assert 'torch' not in sys.modules, 'torch'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
