@@ -49,17 +49,37 @@ _MIN_BYTES = 4 * HUGE_PAGE  # smaller buffers are not worth the padding
 
 
 @functools.cache
-def _madvise():
+def _libc(name: str):
+    """``name`` from the C library (Linux only), or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
+        return getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
+
+
+@functools.cache
+def _madvise():
+    fn = _libc("madvise")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return fn
+
+
+def release_freed_heap() -> bool:
+    """Give the pages the C heap holds free back to the system (glibc's ``malloc_trim``). Loading
+    a model frees its dense copies (fp32 projections replaced by quantized blocks) in pieces of a
+    few MB, which the heap keeps: ~370 MB of the default model's GGUF load on the CPU stayed
+    resident for the process's life. True if memory was released."""
+    trim = _libc("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim(0) == 1
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
