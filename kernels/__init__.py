@@ -95,3 +95,11 @@ def release_cpu_thread_pool() -> bool:
     from pdserve.kernels.cpu import openmp
 
     return openmp.release_thread_pool()
+
+
+def release_freed_heap() -> bool:
+    """Give the C heap's free pages back to the system after a model's load (its dense copies
+    replaced by quantized blocks and packed layouts): ``kernels/cpu/memory.py``."""
+    from pdserve.kernels.cpu import memory
+
+    return memory.release_freed_heap()

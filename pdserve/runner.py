@@ -12,7 +12,6 @@ import torch
 from pdserve import envs, kernels
 from pdserve.config import CacheConfig, resolve_kv_cache_dtype
 from pdserve.decode_graphs import DecodeGraphs
-from pdserve.kernels.cpu.memory import release_freed_heap
 from pdserve.kv_cache.pool import KVCachePool, num_blocks_for
 from pdserve.model.attention import AttentionMetadata, OutputRows
 from pdserve.model.config import ModelConfig
@@ -60,7 +59,7 @@ def load_model(
             # a backend's own weight layout, made before the first request (quantized blocks get
             # one by the model's dtype: a bf16 copy where bf16 is native, fp32's integer path's)
             prepack(module.weight, dtype)
-    release_freed_heap()  # the dense copies the quantized blocks and packed layouts replaced
+    kernels.release_freed_heap()  # the dense copies the quantized blocks and packed layouts replaced
     return model
 
 

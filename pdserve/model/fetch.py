@@ -76,11 +76,13 @@ def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """``gguf_convert.convert_gguf``, imported only when a model is converted: it needs torch,
-    which a gateway (it only finds the converted folder's tokenizer) never imports."""
+    """Convert ``gguf_path`` into the folder ``out_dir`` (``gguf_convert``, imported only here:
+    it needs torch, which a gateway, finding the converted folder's tokenizer, never imports),
+    and keep the file itself there as ``GGUF_COPY`` (--quantization gguf reads its blocks)."""
     from pdserve.model.gguf_convert import convert_gguf as convert
 
     convert(gguf_path, out_dir, progress=progress)
+    shutil.copyfile(gguf_path, Path(out_dir) / GGUF_COPY)
 
 
 def download_default_gguf(dest_dir: Path) -> Path:

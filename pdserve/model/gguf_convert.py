@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pdserve.kernels import GGUF_TYPES, QuantizedWeight
-from pdserve.model.fetch import GGUF_COPY
 from pdserve.model.gguf_index import read_index
 
 # GGUF tensor name -> Hugging Face tensor name; "{bid}" is the decoder layer index.
@@ -233,7 +231,6 @@ def convert_gguf(
     state = _convert_tensors(reader, cfg, dtype, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(gguf_path, out_dir / GGUF_COPY)  # for --quantization gguf: its own blocks
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
     _write_tokenizer(gguf_path, out_dir, reader)
