@@ -18,10 +18,16 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.llama import (
     LlamaForCausalLM,
     RotaryEmbedding,
+    hf_names,
     load_hf_state_dict,
     weights_to_be_loaded,
 )
-from pdserve.model.quantize import quantize_model, weight_bytes, weight_rows
+from pdserve.model.quantize import (
+    quantize_model,
+    resolve_quantization,
+    weight_bytes,
+    weight_rows,
+)
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
 from pdserve.sampler import sample
@@ -44,9 +50,17 @@ def load_model(
 ) -> LlamaForCausalLM:
     with weights_to_be_loaded():
         model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
-    load_hf_state_dict(model, load_state_dict(folder, dtype))
-    model = model.to(device=device, dtype=dtype).eval()
-    model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved
+    if resolve_quantization(quantization, folder, dtype, device) == "gguf":
+        # the GGUF's blocks take the projections' places before any dense weight is read, so
+        # only the rest is (the default model: its norms); the projections' dense memory is
+        # never written (a model's start held it twice over: ~1.3 GB for a 135M model)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.quantization = quantize_model(model, quantization, folder)
+        load_hf_state_dict(model, load_state_dict(folder, dtype, names=hf_names(model)))
+    else:
+        load_hf_state_dict(model, load_state_dict(folder, dtype))
+        model = model.to(device=device, dtype=dtype).eval()
+        model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved
     prepack = getattr(model.ops, "prepack_linear", None)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):  # the rope tables stay fp32 (rounded at use)

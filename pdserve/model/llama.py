@@ -260,6 +260,21 @@ RENAMES = {
 }
 
 
+def _hf_parts(name: str) -> list[str]:
+    """The Hugging Face tensors our parameter ``name`` is made of (stacked in that order)."""
+    hf_name = next(h + name[len(o) :] for o, h in RENAMES.items() if name.startswith(o))
+    for ours, theirs in STACKED_PARAMS.items():
+        if ours in hf_name:
+            return [hf_name.replace(ours, t) for t in theirs]
+    return [hf_name]
+
+
+def hf_names(model: LlamaForCausalLM) -> set[str]:
+    """The Hugging Face tensors ``load_hf_state_dict`` reads for ``model``'s parameters (those a
+    quantized weight replaced are no longer parameters)."""
+    return {p for name, _ in model.named_parameters() for p in _hf_parts(name)}
+
+
 def load_hf_state_dict(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
     """Fill ``model`` from Hugging Face names (STACKED_PARAMS, RENAMES); every parameter must be found."""
     params = dict(
@@ -268,11 +283,7 @@ def load_hf_state_dict(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> 
     missing = []
     with torch.no_grad():
         for name, param in params.items():
-            hf_name = next(h + name[len(o) :] for o, h in RENAMES.items() if name.startswith(o))
-            parts = [hf_name]
-            for ours, theirs in STACKED_PARAMS.items():
-                if ours in hf_name:
-                    parts = [hf_name.replace(ours, t) for t in theirs]
+            parts = _hf_parts(name)
             if any(p not in hf for p in parts):
                 missing.extend(p for p in parts if p not in hf)
                 continue

@@ -38,18 +38,26 @@ def _shard_files(folder: Path) -> tuple[list[Path], set[str] | None]:
     return shards, set(weight_map)
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of the folder under their Hugging Face names; floating ones cast to ``dtype``."""
-    from safetensors.torch import load_file  # torch: not for a gateway, which only finds the folder
+def load_state_dict(
+    folder: Path, dtype: torch.dtype, names: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The folder's tensors under their Hugging Face names, floating ones cast to ``dtype``; only
+    ``names`` where given (a model whose projections are a GGUF's blocks reads only the rest).
+    Read one tensor at a time: at most one tensor's copy beside the result."""
+    from safetensors import safe_open  # torch: not for a gateway, which only finds the folder
 
     folder = Path(folder)
     shards, expected = _shard_files(folder)
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, tensor in load_file(str(shard)).items():
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if names is not None and name not in names:
+                    continue
+                tensor = f.get_tensor(name)
+                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if expected is not None:
-        absent = sorted(expected - state.keys())
+        absent = sorted((expected if names is None else expected & names) - state.keys())
         if absent:
             raise ValueError(
                 f"{folder}: {len(absent)} tensor(s) listed in {INDEX_FILE} are not in the shards, e.g. {absent[0]}"

@@ -112,6 +112,28 @@ def test_native_weights_are_the_converted_weights(dense):
         assert torch.equal(lin.weight.dequantize().bfloat16().float(), want), name
 
 
+def test_a_gguf_model_reads_only_what_its_blocks_do_not_replace(dense, monkeypatch):
+    """The GGUF's blocks take the projections' places before the dense folder is read, so the
+    folder gives only the rest (the default model: its 61 norms), and those equal the dense's."""
+    from pdserve import runner
+
+    asked = []
+    real = runner.load_state_dict
+
+    def spy(folder, dtype, names=None):
+        asked.append(names)
+        return real(folder, dtype, names=names)
+
+    monkeypatch.setattr(runner, "load_state_dict", spy)
+    native = make_llm("gguf")
+    (names,) = asked
+    assert names is not None and len(names) == 61
+    assert all(n.endswith("norm.weight") for n in names)
+    theirs = dict(dense.engine.runner.model.named_parameters())
+    for name, param in native.engine.runner.model.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+
+
 def test_int8_error_bounds(dense):
     """Per-layer output error on the model's own hidden states, and the first token's logprob
     difference against the unquantized model, for the suite's prompts."""

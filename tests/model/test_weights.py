@@ -72,3 +72,18 @@ def test_index_promising_absent_tensor(tmp_path: Path) -> None:
 def test_folder_without_weights(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model.safetensors"):
         load_state_dict(tmp_path, torch.float32)
+
+
+def test_only_the_names_asked_for_are_read_and_an_absent_one_is_still_named(tmp_path: Path) -> None:
+    state = _tiny_state_dict()
+    files = _save_sharded(state, tmp_path, num_shards=2)
+    names = {"model.norm.weight", "model.step"}
+    got = load_state_dict(tmp_path, torch.float32, names=names)
+    assert set(got) == names
+    assert torch.equal(got["model.norm.weight"], state["model.norm.weight"].float())
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index["weight_map"]["lm_head.weight"] = files[0]  # promised, absent, but not asked for
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    assert set(load_state_dict(tmp_path, torch.float32, names=names)) == names
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_state_dict(tmp_path, torch.float32, names=names | {"lm_head.weight"})
