@@ -39,13 +39,22 @@ def start_process(
     argv: list[str], env: dict[str, str] | None = None, timeout: float = 300.0, stderr=None
 ) -> Started:
     """Start ``pdserve <argv>`` and wait for its READY line."""
-    proc = subprocess.Popen(
+    return wait_ready(spawn(argv, env, stderr), argv, timeout)
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None, stderr=None) -> subprocess.Popen:
+    """``pdserve <argv>`` started, its READY line not yet read (``wait_ready``)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", *argv],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
         stderr=stderr,
     )
+
+
+def wait_ready(proc: subprocess.Popen, argv: list[str], timeout: float = 300.0) -> Started:
+    """``proc``'s READY line read; ExitedBeforeReady (and ``proc`` killed) if it never comes."""
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         if line.startswith("READY "):
@@ -197,6 +206,7 @@ def cmd_up(args) -> int:
         return started.proc, f" at {started.address}, /metrics {started.metrics}"
 
     cluster = Supervisor(start)
+    starting: list[subprocess.Popen] = []  # workers started, not yet READY (nor in ``cluster``)
     certs_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-")) if args.tls else None
     try:
         gateway_tls, worker_tls, ca = _tls_argv(certs_dir)
@@ -237,6 +247,7 @@ def cmd_up(args) -> int:
         borrow = _borrowed(roles, cpus) if args.borrow and one_thread else {}
         metrics = [f"gateway {gateway.metrics}"]
         addresses = [gateway.address]
+        argvs = []
         for i, (role, cpu, device) in enumerate(zip(roles, cpus, devices, strict=True)):
             argv = [role, *common, *worker_tls, "--gateway", gateway.registry]
             argv += ["--device", device, "--threads", str(args.threads_per_worker)]
@@ -244,10 +255,14 @@ def cmd_up(args) -> int:
                 argv += ["--cpus", cpu]
             if i in borrow:
                 argv += ["--borrow-cpus", borrow[i]]
-            argv += stream_argv(args, role)
-            started = start_process(argv, env=env)  # registered with the gateway once READY
+            argvs.append(argv + stream_argv(args, role))
+        # The workers load together (each on its own cores), then each READY is read in turn;
+        # one that fails stops them all (``finally``: ``starting`` holds those not yet added).
+        starting.extend(spawn(argv, env) for argv in argvs)
+        for i, (role, argv) in enumerate(zip(roles, argvs, strict=True)):
+            started = wait_ready(starting[0], argv)  # registered with the gateway once READY
             name = f"{role}-{roles[:i].count(role)}"
-            cluster.add(name, argv, started.proc)
+            cluster.add(name, argv, starting.pop(0))
             metrics.append(f"{name} {started.metrics}")
             addresses.append(started.address)
         try_it = f"pdserve generate --url {gateway.address}" + (f" --tls-ca {ca}" if ca else "")
@@ -285,7 +300,7 @@ def cmd_up(args) -> int:
         grace = args.drain_timeout + 10
         procs = cluster.procs
         stop_processes(procs[:1], grace)  # the gateway, draining through the workers
-        stop_processes(procs[1:], grace)
+        stop_processes(procs[1:] + starting, grace)
         if certs_dir is not None:
             shutil.rmtree(certs_dir, ignore_errors=True)
 
