@@ -59,7 +59,8 @@ async def until_signalled_or(task: asyncio.Task[None] | None) -> None:
 
 
 def run(coro) -> int:
-    torch = sys.modules.get("torch")  # a worker's; a gateway never imports it
+    # a worker's (services/main.py imports the engine before this runs); a gateway never has it
+    torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_grad_enabled(False)
     try:
