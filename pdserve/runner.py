@@ -50,17 +50,16 @@ def load_model(
 ) -> LlamaForCausalLM:
     with weights_to_be_loaded():
         model = LlamaForCausalLM(cfg, kernels.get_backend(device), max_positions)
-    if resolve_quantization(quantization, folder, dtype, device) == "gguf":
-        # the GGUF's blocks take the projections' places before any dense weight is read, so
-        # only the rest is (the default model: its norms); the projections' dense memory is
-        # never written (a model's start held it twice over: ~1.3 GB for a 135M model)
-        model = model.to(device=device, dtype=dtype).eval()
-        model.quantization = quantize_model(model, quantization, folder)
-        load_hf_state_dict(model, load_state_dict(folder, dtype, names=hf_names(model)))
-    else:
+    # A GGUF's blocks take the projections' places before any dense weight is read, so only the
+    # rest is (the default model: its norms) and the projections' dense memory is never written
+    # (a start held it twice over: ~1.3 GB for a 135M model); other modes quantize what loaded.
+    blocks_first = resolve_quantization(quantization, folder, dtype, device) == "gguf"
+    if not blocks_first:
         load_hf_state_dict(model, load_state_dict(folder, dtype))
-        model = model.to(device=device, dtype=dtype).eval()
-        model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved
+    model = model.to(device=device, dtype=dtype).eval()
+    model.quantization = quantize_model(model, quantization, folder)  # "auto" resolved
+    if blocks_first:
+        load_hf_state_dict(model, load_state_dict(folder, dtype, names=hf_names(model)))
     prepack = getattr(model.ops, "prepack_linear", None)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):  # the rope tables stay fp32 (rounded at use)
