@@ -156,10 +156,14 @@ def test_workers_with_other_kv_cache_dtypes_cannot_reach_each_other(tiny_engines
 # Measured here (AVX-512 without BF16, 2 cores, 64 tokens each): all 8 greedy continuations
 # identical; |delta logprob| of the chosen token 0.8e-3 to 1.8e-2 on the first token (mean
 # 7.2e-3), at most 4.0e-2 (mean 3.2e-3) over the 512 tokens. A KV written or read wrong is off
-# by nats, and an fp32 cache mistaken for bf16 by exactly 0.
+# by nats, and an fp32 cache mistaken for bf16 by exactly 0. On a Zen 4 (2026-11-30) one
+# continuation parts at its second token, a near tie: fp32 KV -1.8995 / -1.9094 for its two
+# best tokens (0.0099 apart), bf16 KV the same two swapped (0.0069 apart). So a continuation may
+# part where the fp32 run's two best tokens are within TIE_BOUND and the bf16 run took the other.
 NEW_TOKENS = 24
 FIRST_TOKEN_BOUND = 0.06  # 3x the largest first-token difference seen
 ANY_TOKEN_BOUND = 0.12  # 3x the largest difference seen on any token
+TIE_BOUND = 0.03  # 3x the near tie seen
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +181,7 @@ def default_model_outputs(default_model_dir):
             kv_cache_dtype=kv,
         )
         prompts = [llm.chat_prompt(q) for q in QUESTIONS]
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
         engine = llm.engine
         outs[kv] = (llm.generate(prompts, params), engine.runner.pool.dtype)
         assert engine.num_free_blocks == engine.allocator.num_blocks  # no block leaked
@@ -189,17 +193,31 @@ def test_default_model_greedy_tokens_with_bf16_kv_equal_fp32_kv(default_model_ou
     f32, f32_pool = default_model_outputs["auto"]
     bf16, bf16_pool = default_model_outputs["bfloat16"]
     assert (f32_pool, bf16_pool) == (F32, BF16)
-    first, every = [], []
+    first, every, parted = [], [], 0
     for a, b in zip(f32, bf16, strict=True):
-        assert b.token_ids == a.token_ids, (a.text, b.text)
-        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
-        first.append(diffs[0])
+        same = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
+            NEW_TOKENS,
+        )
+        if same < NEW_TOKENS:  # only at a near tie of the fp32 run's two best tokens
+            parted += 1
+            top = dict(a.logprobs[same].top)
+            theirs = b.token_ids[same]
+            assert theirs in top, (a.text, b.text)
+            assert a.logprobs[same].logprob - top[theirs] < TIE_BOUND, (a.text, b.text)
+        diffs = [
+            abs(x.logprob - y.logprob)
+            for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)
+        ]
+        first.append(abs(a.logprobs[0].logprob - b.logprobs[0].logprob))
         every += diffs
     print(
-        f"bf16 vs fp32 KV, {len(f32)} prompts x {NEW_TOKENS} tokens: identical; |dlogprob| first "
-        f"token max {max(first):.2e} mean {sum(first) / len(first):.2e}, every token max "
+        f"bf16 vs fp32 KV, {len(f32)} prompts x {NEW_TOKENS} tokens: {len(f32) - parted} "
+        f"identical, {parted} parted at a near tie; |dlogprob| first token max {max(first):.2e} "
+        f"mean {sum(first) / len(first):.2e}, every token before a parting max "
         f"{max(every):.2e} mean {sum(every) / len(every):.2e}"
     )
+    assert parted <= len(f32) // 4
     assert max(first) < FIRST_TOKEN_BOUND
     assert max(every) < ANY_TOKEN_BOUND
     assert max(every) > 0  # the bf16 rounding is there: the pools really are bf16
