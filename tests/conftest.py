@@ -17,6 +17,20 @@ def default_model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL, progress=False)
 
 
+@pytest.fixture
+def float_blocks(monkeypatch):
+    """A bf16 model's Q4_1 and Q8_0 weights made within the test multiply few rows of x on the
+    float block kernel (``PDSERVE_QUANT_INTEGER=0``), bit for bit the packed copy's outputs, not
+    on the integer path: for tests that hold outputs equal whichever rows a step batches."""
+    from pdserve.kernels.cpu import quant
+
+    monkeypatch.setenv("PDSERVE_QUANT_INTEGER", "0")
+    quant._integer_width.cache_clear()
+    yield
+    monkeypatch.undo()
+    quant._integer_width.cache_clear()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``PDSERVE_FAILURES_AT_ONCE=1`` (scripts/gpu-check sets it), each failure's report is
     written to stderr when it happens, not only in the summary at the end: a run cut short (a

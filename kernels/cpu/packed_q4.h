@@ -207,17 +207,31 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
 #undef QP_CASES
 #undef QP_CASE
 
-/* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight. */
+/* quant.c's pdserve_qlinear_v_bf16: the integer path for few rows of bf16 x; 0 when it ran. */
+typedef int (*hybrid_small_fn)(const uint16_t *x, const uint8_t *v, int32_t qt,
+                               const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                               int32_t num_threads);
+
+/* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight: up to
+ * small_max_rows rows of x through small on v where given (quant.c's integer path, in another
+ * library), up to qp_max_rows through pdserve_linear_qp on qp, more through the packed bf16
+ * copy. */
 typedef struct {
     const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
     const uint8_t *qp;      /* pdserve_pack_blocks of the same weight, or NULL */
     int64_t qp_max_rows;    /* qp for at most this many rows of x, packed for more */
-    int64_t qt;             /* qp's format: QP_Q4_1 or QP_Q8_0 */
+    int64_t qt;             /* the blocks' format: QP_Q4_1 or QP_Q8_0 */
+    hybrid_small_fn small;  /* or NULL */
+    const uint8_t *v;       /* the blocks in quant_int.h's layout, for small */
+    int64_t small_max_rows; /* small for at most this many rows of x */
 } HybridWeight;
 
 void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     const HybridWeight *h = (const HybridWeight *)weight;
+    if (h->small && M <= h->small_max_rows &&
+        !h->small(x, h->v, (int32_t)h->qt, bias, y, M, N, K, num_threads))
+        return;
     if (h->qp && M <= h->qp_max_rows)
         pdserve_linear_qp(x, h->qp, (int32_t)h->qt, bias, y, M, N, K, num_threads);
     else
