@@ -61,8 +61,10 @@ def quant_isa() -> str:
 
 
 def quant_integer() -> bool:
-    """Whether Q4_1 and Q8_0 weights take quant.c's integer path where the build has it
-    (PDSERVE_QUANT_INTEGER, default 1; 0 keeps the float path, e.g. to compare the two)."""
+    """Whether Q4_1 and Q8_0 weights take quant.c's integer path where the build has it, for few
+    rows of an fp32 model's x and for 1-2 rows of a bf16 model's (PDSERVE_QUANT_INTEGER, default
+    1; 0 keeps the float path: to compare the two, or to keep a bf16 model's outputs bit for bit
+    the same whichever rows a step batches)."""
     return os.environ.get("PDSERVE_QUANT_INTEGER", "1") != "0"
 
 

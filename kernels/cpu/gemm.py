@@ -144,7 +144,7 @@ class HybridWeight(ctypes.Structure):
 # Most rows of x for which a Q4_1 or Q8_0 weight is multiplied from its blocks; more go to its
 # packed bf16 copy. Of those, up to INTEGER_MAX_ROWS take quant.c's integer path where it has one
 # (AVX-512 VNNI), the rest pdserve_linear_qp. On a Zen 4 (the default model, 2 threads, the two
-# alternating) the integer path's decode step took 0.68-0.72x the float block kernel's at batch
+# alternating) the integer path's decode step took 0.68-0.76x the float block kernel's at batch
 # 1, 0.80-0.86x at 2, 0.95-1.0x at 3, 1.02-1.06x at 4 and 1.24x at 8 (passes of 4 rows over the
 # weights where pdserve_linear_qp runs up to 8 in one): it is taken only where it pays.
 HYBRID_MAX_ROWS = 8
