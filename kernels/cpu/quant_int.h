@@ -378,8 +378,8 @@ int pdserve_qlinear_v(const float *x, const uint8_t *v, int32_t qt, const float 
  * output rounded once to bf16 (nearest even). What a bf16 model's Q4_1 and Q8_0 weights take for
  * few rows of x in place of the float block kernel (packed_q4.h's HybridWeight.small): the same
  * 20 or 34 bytes per 32 weights in a third of the instructions, with exact weights where the
- * block kernel multiplies their bf16 rounding; rows of x then round differently at up to
- * QV_MAX_ROWS rows than at more (the packed copy), as an fp32 model's do on this path.
+ * block kernel and the packed copy multiply their bf16 rounding: the rows it takes round
+ * differently than those of steps it does not take, as an fp32 model's do on this path.
  */
 int pdserve_qlinear_v_bf16(const uint16_t *x, const uint8_t *v, int32_t qt, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
