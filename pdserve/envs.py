@@ -61,11 +61,21 @@ def quant_isa() -> str:
 
 
 def quant_integer() -> bool:
-    """Whether Q4_1 and Q8_0 weights take quant.c's integer path where the build has it, for few
-    rows of an fp32 model's x and for 1-2 rows of a bf16 model's (PDSERVE_QUANT_INTEGER, default
-    1; 0 keeps the float path: to compare the two, or to keep a bf16 model's outputs bit for bit
-    the same whichever rows a step batches)."""
+    """Whether Q4_1 and Q8_0 weights take quant.c's integer path where the build has it
+    (PDSERVE_QUANT_INTEGER, default 1; 0 keeps the float path, e.g. to compare the two)."""
     return os.environ.get("PDSERVE_QUANT_INTEGER", "1") != "0"
+
+
+def bf16_integer_rows() -> int:
+    """Up to how many rows of a bf16 model's x its Q4_1 and Q8_0 weights take quant.c's integer
+    path with AVX-512 VNNI (PDSERVE_BF16_INTEGER_ROWS, 0 to 8; default 0). Faster at 1-2 rows
+    (2 measured best on a Zen 4: one stream's TPOT 0.71x), but those rows multiply the exact
+    4-bit weights where larger steps multiply their bf16 rounding, so a sequence's outputs then
+    depend on the rows its steps batch; at 0 they do not (kernels/cpu/packed_q4.h)."""
+    value = os.environ.get("PDSERVE_BF16_INTEGER_ROWS") or "0"
+    if not value.isdigit() or int(value) > 8:
+        raise ValueError(f"PDSERVE_BF16_INTEGER_ROWS={value!r}; use a number of rows from 0 to 8")
+    return int(value)
 
 
 def otlp_endpoint() -> str | None:

@@ -18,17 +18,11 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture
-def float_blocks(monkeypatch):
-    """A bf16 model's Q4_1 and Q8_0 weights made within the test multiply few rows of x on the
-    float block kernel (``PDSERVE_QUANT_INTEGER=0``), bit for bit the packed copy's outputs, not
-    on the integer path: for tests that hold outputs equal whichever rows a step batches."""
-    from pdserve.kernels.cpu import quant
-
-    monkeypatch.setenv("PDSERVE_QUANT_INTEGER", "0")
-    quant._integer_width.cache_clear()
-    yield
-    monkeypatch.undo()
-    quant._integer_width.cache_clear()
+def bf16_integer_rows(monkeypatch) -> int:
+    """``PDSERVE_BF16_INTEGER_ROWS=2`` for the hybrids made within the test: a bf16 model's Q4_1 and
+    Q8_0 weights multiply 1-2 rows of x on quant.c's integer path (opt-in; AVX-512 VNNI)."""
+    monkeypatch.setenv("PDSERVE_BF16_INTEGER_ROWS", "2")
+    return 2
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from pdserve.kernels.cpu import memory, quant
 from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
 
+from pdserve import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("linear.c")
@@ -142,13 +144,12 @@ class HybridWeight(ctypes.Structure):
 
 
 # Most rows of x for which a Q4_1 or Q8_0 weight is multiplied from its blocks; more go to its
-# packed bf16 copy. Of those, up to INTEGER_MAX_ROWS take quant.c's integer path where it has one
-# (AVX-512 VNNI), the rest pdserve_linear_qp. On a Zen 4 (the default model, 2 threads, the two
-# alternating) the integer path's decode step took 0.68-0.76x the float block kernel's at batch
-# 1, 0.80-0.86x at 2, 0.95-1.0x at 3, 1.02-1.06x at 4 and 1.24x at 8 (passes of 4 rows over the
-# weights where pdserve_linear_qp runs up to 8 in one): it is taken only where it pays.
+# packed bf16 copy. Of those, up to PDSERVE_BF16_INTEGER_ROWS (default 0) take quant.c's integer
+# path where it has one (AVX-512 VNNI), the rest pdserve_linear_qp. On a Zen 4 (the default model,
+# 2 threads, the two alternating) the integer path's decode step took 0.68-0.76x the float block
+# kernel's at batch 1, 0.80-0.86x at 2, 0.95-1.0x at 3, 1.02-1.06x at 4 and 1.24x at 8 (passes of
+# 4 rows over the weights where pdserve_linear_qp runs up to 8 in one).
 HYBRID_MAX_ROWS = 8
-INTEGER_MAX_ROWS = 2
 # id(weight) -> (weakref to it, its HybridWeight, the tensors the HybridWeight points into)
 _hybrids: dict[int, tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]]] = {}
 
@@ -175,11 +176,11 @@ def hybrid_weight(weight) -> HybridWeight | None:
     use, dropped with the weight; else None. The bf16 model then reads 4-bit weights in small
     decode steps and runs prefill at the packed kernel's speed.
 
-    The blocks for few rows: up to ``INTEGER_MAX_ROWS``, quant.c's integer path where it has one
+    The blocks for few rows: ``pdserve_linear_qp``, whose outputs are bit for bit the packed
+    copy's (packed_q4.h), so no output depends on the rows a step batches; but up to
+    ``PDSERVE_BF16_INTEGER_ROWS`` (opt-in) quant.c's integer path where it has one
     (``quant.integer_bf16``: AVX-512 VNNI; exact weights, each output rounded once to bf16, so
-    those rows round differently than in larger steps); the rest up to ``HYBRID_MAX_ROWS``, and
-    all of them with ``PDSERVE_QUANT_INTEGER=0`` or without VNNI, ``pdserve_linear_qp``, whose
-    outputs are bit for bit the packed copy's (packed_q4.h)."""
+    those rows round differently than in larger steps)."""
     made = _made_hybrid(weight)
     if made is not None:
         return made
@@ -200,10 +201,11 @@ def hybrid_weight(weight) -> HybridWeight | None:
     packing.pack_blocks(weight.data.data_ptr(), n, k, qp.data_ptr(), weight.qtype, threads)
     desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), HYBRID_MAX_ROWS, weight.qtype)
     kept = [packed, qp]
-    integer = quant.integer_bf16(weight)
+    rows = envs.bf16_integer_rows()
+    integer = quant.integer_bf16(weight) if rows else None
     if integer is not None:
         desc.small, v = integer
-        desc.v, desc.small_max_rows = v.data_ptr(), INTEGER_MAX_ROWS
+        desc.v, desc.small_max_rows = v.data_ptr(), rows
         kept.append(v)
     key = id(weight)
     ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))

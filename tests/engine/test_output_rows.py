@@ -18,7 +18,7 @@ from pdserve.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 
 
-def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch, float_blocks):
+def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
     llm = LLM(
         str(default_model_dir),
         dtype="bfloat16",

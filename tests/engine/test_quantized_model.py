@@ -258,16 +258,16 @@ BF16_INTEGER_MAX_LOGPROB_DIFF = 0.25
 
 
 @pytest.mark.skipif(not gemm.hybrid_available(), reason="the hybrid needs AVX512-BF16")
-@pytest.mark.parametrize("integer", [False, True], ids=["float_blocks", "integer"])
+@pytest.mark.parametrize("integer", [False, True], ids=["float_blocks", "integer_rows"])
 def test_bf16_auto_runs_the_gguf_blocks_and_computes_the_dense_bf16_model(request, integer):
     """``auto`` on a bf16 model takes the GGUF's Q4_1 projections and Q8_0 lm_head (blocks read for
     few rows, the packed bf16 copy for more) and gives the dense bf16 model's greedy tokens and
     logprobs bit for bit among 16 (the copy); alone (the blocks), bit for bit too on the float
-    block kernel (``PDSERVE_QUANT_INTEGER=0``), and on the integer path (the default with AVX-512
-    VNNI: exact weights, outputs rounded once) the same greedy tokens with logprobs within a
-    bound. The tied embedding, looked up in the Q8_0 blocks, gives the dense rows too."""
-    if not integer:
-        request.getfixturevalue("float_blocks")
+    block kernel (the default), and on the integer path (``PDSERVE_BF16_INTEGER_ROWS``, opt-in
+    with AVX-512 VNNI: exact weights, outputs rounded once) the same greedy tokens with logprobs
+    within a bound. The tied embedding, looked up in the Q8_0 blocks, gives the dense rows too."""
+    if integer:
+        request.getfixturevalue("bf16_integer_rows")
     llm = make_llm("auto", dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.quantization == "gguf"

@@ -1,12 +1,11 @@
 """Q4_1 and Q8_0 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``):
 multiplied from their blocks for few rows of x and from a packed bf16 copy for more.
 
-- With ``PDSERVE_QUANT_INTEGER=0`` (and on CPUs without VNNI) few rows take the float block
-  kernel: bit-identical outputs either way, equal to the packed kernel on the bf16 rounding of
-  the dequantized weight.
-- By default with AVX-512 VNNI up to INTEGER_MAX_ROWS rows take quant.c's integer path (exact
-  weights): each output the fp32 integer path's on x widened, rounded once to bf16; more rows
-  the dense bf16 kernel's bits as before.
+- By default few rows take the float block kernel: bit-identical outputs either way, equal to
+  the packed kernel on the bf16 rounding of the dequantized weight.
+- With ``PDSERVE_BF16_INTEGER_ROWS`` (opt-in, AVX-512 VNNI) up to that many rows take quant.c's
+  integer path (exact weights): each output the fp32 integer path's on x widened, rounded once
+  to bf16; more rows the dense bf16 kernel's bits as before.
 """
 
 from __future__ import annotations
@@ -33,13 +32,14 @@ def _dense_bf16(qw: Q.QuantizedWeight) -> torch.Tensor:
 @needs_packing
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(301, 576), (960, 576), (224, 576), (64, 1536), (7, 32)])
-def test_every_row_count_gives_the_dense_bf16_kernels_bits(float_blocks, name, n, k):
+def test_every_row_count_gives_the_dense_bf16_kernels_bits(name, n, k):
     """Row counts on both sides of HYBRID_MAX_ROWS, partial passes of the 4-bit kernel, 1 to 4
     groups of 16 outputs side by side (19, 60, 14, 4 or 1 groups split between threads), N not a
     multiple of 16, with and without bias: the same bits as the packed kernel on the dequantized
     weight rounded to bf16 (the same vdpbf16ps chain per output)."""
     qw = Q.quantize(make_weight(n, k, seed=5), name)
-    assert gemm.hybrid_weight(qw) is not None
+    desc = gemm.hybrid_weight(qw)
+    assert desc is not None and not desc.small  # the integer path only where asked for
     dense = _dense_bf16(qw)
     g = torch.Generator().manual_seed(6)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
@@ -53,7 +53,7 @@ def test_every_row_count_gives_the_dense_bf16_kernels_bits(float_blocks, name, n
 
 
 @needs_packing
-def test_a_row_gives_the_same_bits_alone_and_in_a_batch(float_blocks):
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
     """What makes the choice by row count safe: a token's outputs do not depend on its batch."""
     n, k = 576, 1536
     qw = Q.quantize(make_weight(n, k, seed=7), "q4_1")
@@ -67,8 +67,8 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(float_blocks):
 @needs_packing
 @pytest.mark.parametrize("integer", [False, True])
 def test_thread_count_does_not_change_the_bits(request, integer):
-    if not integer:
-        request.getfixturevalue("float_blocks")
+    if integer:
+        request.getfixturevalue("bf16_integer_rows")
     qw = Q.quantize(make_weight(960, 576, seed=9), "q4_1")
     assert gemm.hybrid_weight(qw) is not None
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
@@ -94,15 +94,16 @@ needs_integer = pytest.mark.skipif(
 @needs_integer
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (16, 32)])
-def test_few_rows_take_the_integer_path_rounded_once(name, n, k):
-    """Up to INTEGER_MAX_ROWS rows of bf16 x: the fp32 integer path's outputs on x widened (bias
+def test_few_rows_take_the_integer_path_rounded_once(bf16_integer_rows, name, n, k):
+    """With PDSERVE_BF16_INTEGER_ROWS (2), up to that many rows of bf16 x: the fp32 integer
+    path's outputs on x widened (bias
     too), each rounded once to bf16, so within the integer path's bound of the exact product plus
     half a bf16 ulp (exact weights: no bf16 rounding of them); more rows: the dense bf16 kernel's
     bits, from the float block kernel up to HYBRID_MAX_ROWS and from the packed copy beyond."""
     qw = Q.quantize(make_weight(n, k, seed=21), name)
     desc = gemm.hybrid_weight(qw)
     assert desc is not None and desc.small and desc.v and desc.qp
-    assert desc.small_max_rows == gemm.INTEGER_MAX_ROWS < gemm.HYBRID_MAX_ROWS == desc.qp_max_rows
+    assert desc.small_max_rows == bf16_integer_rows < gemm.HYBRID_MAX_ROWS == desc.qp_max_rows
     dense = _dense_bf16(qw)
     g = torch.Generator().manual_seed(22)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
@@ -111,7 +112,7 @@ def test_few_rows_take_the_integer_path_rounded_once(name, n, k):
         for b in (None, bias):
             got = gemm.linear(x, qw, b)
             assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-            if m <= gemm.INTEGER_MAX_ROWS:
+            if m <= bf16_integer_rows:
                 fp32 = quant.linear(x.float(), qw, None if b is None else b.float())
                 assert torch.equal(got, fp32.bfloat16()), (m, b is None)
             else:  # the float block kernel (up to HYBRID_MAX_ROWS) or the packed copy: its bits
@@ -133,3 +134,13 @@ def test_other_formats_and_fp32_x_keep_the_quantized_kernels():
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(13))
     exact = x.double() @ Q.dequantize_reference(qw).double().T
     torch.testing.assert_close(gemm.linear(x, qw).double(), exact, atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_integer_rows_setting_names_what_is_allowed(monkeypatch):
+    from pdserve import envs
+
+    assert envs.bf16_integer_rows() == 0
+    for bad in ("9", "-1", "two"):
+        monkeypatch.setenv("PDSERVE_BF16_INTEGER_ROWS", bad)
+        with pytest.raises(ValueError, match="from 0 to 8"):
+            envs.bf16_integer_rows()
