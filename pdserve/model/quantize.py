@@ -75,8 +75,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
     """Replace ``model``'s projection weights by quantized ones (``mode``: see the module);
     returns the mode applied ("auto" resolved)."""
     dtype = model.norm.weight.dtype
-    # auto on a bf16 model: its Q4_1 and Q8_0 weights only (the hybrid: the dense bf16 model's
-    # outputs for many rows of x, exact weights on the integer path for few; gemm.hybrid_weight)
+    # auto on a bf16 model: its Q4_1 and Q8_0 weights only (the hybrid): the dense bf16 model's
+    # outputs (but see PDSERVE_BF16_INTEGER_ROWS, gemm.hybrid_weight)
     hybrid_only = mode == "auto" and dtype == torch.bfloat16
     mode = resolve_quantization(mode, folder, dtype, model.norm.weight.device)
     if mode == "none":
