@@ -383,7 +383,7 @@ int pdserve_qlinear_v(const float *x, const uint8_t *v, int32_t qt, const float 
  */
 int pdserve_qlinear_v_bf16(const uint16_t *x, const uint8_t *v, int32_t qt, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
-    if (pdserve_qv_bytes(N, K, qt) < 0 || M > QV_MAX_ROWS || !QV) return -2;
+    if (pdserve_qv_bytes(N, K, qt) < 0 || M > QV_MAX_ROWS) return -2; /* -1 in a build without */
     if (M <= 0) return 0;
     float *xf = malloc((size_t)(M * K + (bias ? N : 0)) * sizeof(float));
     if (!xf) return -1;
