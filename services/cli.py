@@ -61,6 +61,7 @@ def gateway_config(args) -> GatewayConfig:
         local_prefill_tokens=args.local_prefill_tokens,
         decode_prefill_budget_s=args.decode_prefill_budget,
         decode_prefill_max_tokens=args.decode_prefill_max_tokens,
+        decode_prefill_share=args.decode_prefill_share,
         probe_interval_s=args.probe_interval,
         real_probe_interval_s=args.real_probe_interval,
         suspect_after_s=args.suspect_after,

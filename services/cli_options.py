@@ -92,6 +92,15 @@ def placement_arg(p: argparse.ArgumentParser) -> None:
         "for all of it)",
     )
     p.add_argument(
+        "--decode-prefill-share",
+        type=float,
+        default=GatewayConfig.decode_prefill_share,
+        metavar="FRACTION",
+        help="... nor, while it runs streams, let such prompts take more than this share of its "
+        "time: after one of h seconds it takes the next h / FRACTION seconds later at the "
+        "earliest (1: no limit)",
+    )
+    p.add_argument(
         "--warm-replies",
         action="store_true",
         help="send each finished reply to the prefill worker that computed its prompt, to keep "

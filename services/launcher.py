@@ -214,6 +214,7 @@ def cmd_up(args) -> int:
         gateway_argv = ["gateway", "--model", args.model, *gateway_tls, *keys, *observe]
         gateway_argv += ["--decode-prefill-budget", str(args.decode_prefill_budget)]
         gateway_argv += ["--decode-prefill-max-tokens", str(args.decode_prefill_max_tokens)]
+        gateway_argv += ["--decode-prefill-share", str(args.decode_prefill_share)]
         gateway_argv += ["--policy", args.policy, *(["--warm-replies"] * args.warm_replies)]
         ports = {"--port": args.port, "--http-port": args.http_port}
         ports["--metrics-port"] = args.metrics_port

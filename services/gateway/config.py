@@ -23,10 +23,11 @@ class GatewayConfig:
     waits); ``api_keys_file``: the
     JSON file of hashed API keys and their limits (``pdserve keys add``), read again on SIGHUP;
     None: the keys in $PDSERVE_API_KEYS, else none (the gateway is open).
-    ``local_prefill_tokens``, ``decode_prefill_budget_s`` and ``decode_prefill_max_tokens``:
-    when a decode worker prefills a prompt itself instead of a prefill worker (``placement.py``);
-    a budget of 0 always disaggregates. ``affinity_slack_s``: policy ``cost`` sends a request
-    with an affinity key to the prefill worker its key hashes to while that one's estimate is at
+    ``local_prefill_tokens``, ``decode_prefill_budget_s``, ``decode_prefill_max_tokens`` and
+    ``decode_prefill_share``: when a decode worker prefills a prompt itself instead of a prefill
+    worker (``placement.py``); a budget of 0 always disaggregates, a share of 1 lets the prompts
+    taken on for a busy prefill worker come as closely as the budget allows.
+    ``affinity_slack_s``: policy ``cost`` sends a request with an affinity key to the prefill worker its key hashes to while that one's estimate is at
     most this many seconds above the cheapest's. ``warm_replies``: a disaggregated request's
     reply is sent to its prefill worker, once finished, to keep in its prefix cache (warm.py).
 
@@ -63,6 +64,7 @@ class GatewayConfig:
     local_prefill_tokens: int = 32
     decode_prefill_budget_s: float = 0.5
     decode_prefill_max_tokens: int = 1024
+    decode_prefill_share: float = 0.15
     probe_interval_s: float = 1.0
     real_probe_interval_s: float = 5.0
     suspect_after_s: float = 1.0
@@ -119,6 +121,12 @@ class GatewayConfig:
             raise ValueError(
                 "decode_prefill_max_tokens must be an integer >= 0, got "
                 f"{self.decode_prefill_max_tokens!r}"
+            )
+        if not 0 < self.decode_prefill_share <= 1:
+            raise ValueError(
+                "decode_prefill_share must be a fraction in (0, 1] (the most of a decode "
+                "worker's time, while it runs streams, that prompts it takes on for a busy "
+                f"prefill worker may take; 1: no limit), got {self.decode_prefill_share}"
             )
         if not self.affinity_slack_s >= 0:
             raise ValueError(f"affinity_slack_s must be >= 0 seconds, got {self.affinity_slack_s}")

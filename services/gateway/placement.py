@@ -35,7 +35,13 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
   default prefill chunk) this way: the budget rule weighs a prompt's whole stall against the
   queue it saves, and one prompt of 2,000 tokens on a deep queue passed it, held every stream
   back for seconds (~4 s on one Xeon core) and set W-mixed's TPOT p99 (docs/benchmarks.md,
-  "Weights on huge pages").
+  "Weights on huge pages"). Nor do such prompts (``PREFILL_BUSY``) take more than
+  ``decode_prefill_share`` of a decode worker's time while it runs streams: after one that its
+  rate says takes h seconds there, it takes no other for h / share seconds (a token bucket that
+  keeps no credit), so they come spread out, not bunched. Bunched is how they came while one
+  long prompt held the prefill worker for seconds and the short ones behind it went to the
+  decode worker one after another: the streams that lived through such a bunch set W-mixed's
+  TPOT p99 (docs/benchmarks.md, "The decode worker's own prefills, spread out").
 
 Work is counted in prompt tokens to compute: a prompt less the leading blocks the worker is
 expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
@@ -94,30 +100,53 @@ def weighed(prefill: Worker, decode: Worker) -> dict:
 
 
 def place(job: Job, prefill: Worker, decode: Worker, cfg: GatewayConfig, stale_s: float) -> str:
-    """``decide`` for ``job``, from the prompt tokens each worker is expected to compute."""
+    """``decide`` for ``job``, from the prompt tokens each worker is expected to compute; a
+    PREFILL_BUSY prompt is ``spread``."""
     t = now()
     here, there = (tokens_to_compute(w, job, t, stale_s) for w in (decode, prefill))
-    return decide(here, prefill, decode, cfg, there)
+    reason = decide(here, prefill, decode, cfg, there, t)
+    if reason == PREFILL_BUSY:
+        spread(here, prefill, decode, cfg, t)
+    return reason
+
+
+def spread(num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig, t: float) -> None:
+    """``decode`` takes on a prompt of ``num_tokens`` because ``prefill`` is busy, at time ``t``:
+    while it runs streams, it takes no other such prompt until ``num_tokens`` at ``prefill``'s
+    rate, divided by ``decode_prefill_share``, has passed (1: no wait)."""
+    if cfg.decode_prefill_share < 1 and weighed(prefill, decode)["decode_streams"]:
+        decode.prefill_busy_until = t + num_tokens / _rate(prefill) / cfg.decode_prefill_share
+
+
+def _rate(prefill: Worker) -> float | None:
+    """Prompt tokens per second at ``prefill``: what this gateway measured there, else what the
+    worker reports, else None."""
+    if prefill.prefill_rate:
+        return prefill.prefill_rate
+    token_s = measured_token_s(prefill, prefill.report)
+    return None if token_s is None else 1.0 / token_s
 
 
 def decide(
-    num_tokens: int, prefill: Worker, decode: Worker, cfg: GatewayConfig, there: int | None = None
+    num_tokens: int,
+    prefill: Worker,
+    decode: Worker,
+    cfg: GatewayConfig,
+    there: int | None = None,
+    t: float | None = None,
 ) -> str:
     """SHORT_PROMPT, HELD_HERE or PREFILL_BUSY (prefill on ``decode``), or DISAGGREGATED.
     ``num_tokens``: the prompt tokens ``decode`` would compute; ``there``: those ``prefill``
-    would (None: as many)."""
+    would (None: as many); ``t``: now (None: the clock's)."""
     if cfg.decode_prefill_budget_s <= 0:
         return DISAGGREGATED
     if num_tokens <= cfg.local_prefill_tokens:
         return SHORT_PROMPT
     if there is not None and num_tokens < there and not (decode.streams or decode.prompts):
         return HELD_HERE
-    rate = prefill.prefill_rate
-    if not rate:  # none measured here yet: the worker's own, if it reported one
-        token_s = measured_token_s(prefill, prefill.report)
-        if token_s is None:
-            return DISAGGREGATED
-        rate = 1.0 / token_s
+    rate = _rate(prefill)
+    if rate is None:
+        return DISAGGREGATED
     wait_there = prefill.outstanding_tokens / rate  # a prefill worker's: prompt tokens to compute
     here = (decode.local_prefill_tokens + num_tokens) / rate
     if wait_there <= here:
@@ -126,6 +155,8 @@ def decide(
     waiting, streams = w["prefill_prompts"], w["decode_streams"]
     if streams and num_tokens > cfg.decode_prefill_max_tokens:
         return DISAGGREGATED
+    if streams and (now() if t is None else t) < decode.prefill_busy_until:
+        return DISAGGREGATED  # the last such prompt's share of its time is not over
     if (
         waiting >= STARVED * streams
         and here * max(streams, 1) <= cfg.decode_prefill_budget_s * waiting

@@ -27,6 +27,8 @@ class Worker:
     failures: int = 0
     prefill_rate: float | None = None  # prefill workers: prompt tokens computed/s (placement.py)
     local_prefill_tokens: int = 0  # prompt tokens it is computing itself for us now
+    # decode workers: until when they take no prompt for a busy prefill worker (placement.spread)
+    prefill_busy_until: float = 0.0
     # of this gateway's requests there: prompts queued or computing, streams past their first
     # token (decode and colocated workers) — placement.py weighs one against the other
     prompts: int = 0

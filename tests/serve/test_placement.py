@@ -268,3 +268,42 @@ def test_a_prompt_cap_that_is_not_a_count_of_tokens_is_refused(bad):
         ValueError, match=f"decode_prefill_max_tokens must be an integer >= 0, got {bad!r}"
     ):
         GatewayConfig(decode_prefill_max_tokens=bad)
+
+
+def _busy_pair(streams: int) -> tuple[Worker, Worker]:
+    """A prefill worker far behind (5,000 tokens to compute at 1,000 a second, 8 prompts waiting)
+    and a decode worker running ``streams``: a 400-token prompt (0.4 s) is PREFILL_BUSY."""
+    p = _worker("prefill", prefill_rate=1000.0, outstanding_tokens=5000, prompts=8)
+    return p, _worker("decode", streams=streams)
+
+
+def test_prompts_taken_on_for_a_busy_prefill_worker_come_a_share_of_the_time_apart():
+    cfg = GatewayConfig(decode_prefill_budget_s=0.5, decode_prefill_share=0.2)
+    p, d = _busy_pair(streams=2)
+    assert placement.decide(400, p, d, cfg, t=100.0) == BUSY
+    placement.spread(400, p, d, cfg, 100.0)  # 0.4 s there, at most a fifth of its time: 2 s
+    assert placement.decide(400, p, d, cfg, t=101.99) == DISAGGREGATED
+    assert placement.decide(400, p, d, cfg, t=102.0) == BUSY
+    assert placement.decide(20, p, d, cfg, t=100.5) == placement.SHORT_PROMPT  # not held back
+
+
+def test_a_decode_worker_without_streams_takes_them_as_they_come():
+    cfg = GatewayConfig(decode_prefill_share=0.2)
+    p, d = _busy_pair(streams=0)
+    placement.spread(400, p, d, cfg, 100.0)  # nothing held back: no wait
+    assert d.prefill_busy_until == 0.0
+    d.prefill_busy_until = 200.0  # a wait set while it ran streams
+    assert placement.decide(400, p, d, cfg, t=100.0) == BUSY
+
+
+def test_a_share_of_one_sets_no_wait():
+    cfg = GatewayConfig(decode_prefill_share=1.0)
+    p, d = _busy_pair(streams=2)
+    placement.spread(400, p, d, cfg, 100.0)
+    assert placement.decide(400, p, d, cfg, t=100.0) == BUSY
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, float("nan")])
+def test_a_share_outside_zero_to_one_is_refused(bad):
+    with pytest.raises(ValueError, match=r"decode_prefill_share must be a fraction in \(0, 1\]"):
+        GatewayConfig(decode_prefill_share=bad)

@@ -30,7 +30,7 @@ def test_gateway_options_reach_the_config():
         "--queue-timeout 9 --outage-wait 4 --api-keys k.json --probe-interval 0.5 --real-probe-interval 4 "
         "--suspect-after 2 --probe-timeout 0.25 --real-probe-timeout 1.5 "
         "--engine-timeout 12 --local-prefill-tokens 8 --decode-prefill-budget 0.25 "
-        "--decode-prefill-max-tokens 512 "
+        "--decode-prefill-max-tokens 512 --decode-prefill-share 0.5 "
         "--stuck-step-floor 1.5 --stuck-step-factor 3 --affinity-slack 2".split()
     )
     assert serve_cli.gateway_config(args) == GatewayConfig(
@@ -45,6 +45,7 @@ def test_gateway_options_reach_the_config():
         local_prefill_tokens=8,
         decode_prefill_budget_s=0.25,
         decode_prefill_max_tokens=512,
+        decode_prefill_share=0.5,
         probe_interval_s=0.5,
         real_probe_interval_s=4.0,
         suspect_after_s=2.0,
@@ -112,6 +113,7 @@ def test_every_gateway_config_field_has_an_option():
         "local_prefill_tokens",
         "decode_prefill_budget",
         "decode_prefill_max_tokens",
+        "decode_prefill_share",
         "probe_interval",
         "real_probe_interval",
         "suspect_after",
