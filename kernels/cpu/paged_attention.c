@@ -324,6 +324,10 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #define ATTN_NATIVE 0
 #define ATTN_PARTS 0
 #endif
+#ifndef ATTN_UNROLL
+#define ATTN_UNROLL _Pragma("GCC unroll 16")
+#endif
+#include "prefill_f32.h" /* fp32 prefill attention, every build */
 
 /*
  * q [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1); out contiguous

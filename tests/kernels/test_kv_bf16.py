@@ -87,21 +87,6 @@ def test_decode_attention_over_bf16_pools_equals_the_widened_pools(
 
 
 @needs_compiler
-def test_prefill_attention_over_bf16_pools_equals_the_widened_pools(paged_case):
-    """fp32 prefill attention is torch's SDPA on the gathered context: this holds that the bf16
-    context is widened to the query's dtype first (no C code of its own)."""
-    lens, new = [40, 300], [40, 7]  # the second sequence has a cached prefix
-    case = paged_case(lens, 3, 64, 16, torch.bfloat16, seed=2)
-    q = torch.randn(sum(new), 9, 64, generator=torch.Generator().manual_seed(6))
-    starts = torch.tensor([0, new[0], sum(new)], dtype=torch.int32)
-    rest = (case.block_tables, starts, case.context_lens, 0.125)
-    got = ops.prefill_attention(q, case.k_cache, case.v_cache, *rest)
-    want = ops.prefill_attention(q, case.k_cache.float(), case.v_cache.float(), *rest)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, want)
-
-
-@needs_compiler
 @pytest.mark.parametrize(
     "heads", [(9, 3, 64), (4, 4, 32), (2, 1, 128)], ids=lambda h: "q{}-kv{}-d{}".format(*h)
 )
