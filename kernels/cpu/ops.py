@@ -202,7 +202,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """See ``reference.prefill_attention``. In C: bf16 with head_dim 64 or 128 on AVX512-BF16
     (``_prefill_native``), fp32 queries with head_dim a multiple of 16 up to 256 in every build
-    (``_prefill_f32``: 1.9-2.2x faster than SDPA at 512 tokens, AVX2 or AVX-512). Otherwise per
+    (``_prefill_f32``: ~2.1x faster than SDPA at 512 tokens, AVX2 or AVX-512). Otherwise per
     sequence, its context gathered once into SDPA.
 
     Inputs go in as 4-D ``[1, heads, len, head_dim]``: torch routes 3-D inputs to its math path,
