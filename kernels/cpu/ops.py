@@ -201,9 +201,9 @@ def prefill_attention(
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """See ``reference.prefill_attention``. In C: bf16 with head_dim 64 or 128 on AVX512-BF16
-    (``_prefill_native``), fp32 queries with head_dim a multiple of 16 up to 256 in every build
-    (``_prefill_f32``: ~2.1x faster than SDPA at 512 tokens, AVX2 or AVX-512). Otherwise per
-    sequence, its context gathered once into SDPA.
+    and fp32 queries with head_dim a multiple of 16 up to 256 in every build (``_prefill_kernel``;
+    the fp32 one ~2.1x faster than SDPA at 512 tokens, AVX2 or AVX-512). Otherwise per sequence,
+    its context gathered once into SDPA.
 
     Inputs go in as 4-D ``[1, heads, len, head_dim]``: torch routes 3-D inputs to its math path,
     which materialises the scores and ran 3.5x slower for 512 tokens here.
@@ -215,25 +215,11 @@ def prefill_attention(
         query i:  all visible             visible while j <= prefix + i
     """
     lib = _library() if _native_ok(q, k_cache, v_cache) else None
-    if (
-        lib is not None
-        and q.dtype == k_cache.dtype == torch.bfloat16
-        and q.shape[2] in (64, 128)
-        and q.stride(2) == 1
-        and lib.pdserve_paged_attention_native()
-    ):
-        return _prefill_native(
-            lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
-        )
-    if (
-        lib is not None
-        and q.dtype == torch.float32
-        and q.shape[2] % 16 == 0
-        and q.shape[2] <= 256
-        and q.stride(2) == 1
-    ):
-        return _prefill_f32(
-            lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    kernel = None if lib is None or q.stride(2) != 1 else _prefill_kernel(lib, q, k_cache)
+    if kernel is not None:
+        fn, extra = kernel
+        return _prefill_c(
+            fn, extra, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
         )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -263,35 +249,19 @@ def prefill_attention(
     return out
 
 
-def _prefill_native(lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
-    """The AVX512-BF16 prefill kernel (bf16, head_dim 64 or 128): see paged_attention.c."""
-    return _prefill_c(
-        lib.pdserve_prefill_attention_bf16,
-        (),
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-    )
-
-
-def _prefill_f32(lib, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
-    """The fp32 prefill kernel (fp32 or bf16 pools, head_dim a multiple of 16 up to 256):
-    prefill_f32.h, in every build of paged_attention.c."""
-    return _prefill_c(
-        lib.pdserve_prefill_attention_f32,
-        (int(k_cache.dtype == torch.bfloat16),),
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-    )
+def _prefill_kernel(lib, q: torch.Tensor, k_cache: torch.Tensor):
+    """(the C prefill kernel, its arguments between ``scale`` and the thread count) for these
+    inputs, or None (SDPA): the AVX512-BF16 one (``prefill_bf16.h``: bf16, head_dim 64 or 128),
+    or the fp32 one in every build (``prefill_f32.h``: fp32 queries over fp32 or bf16 pools,
+    head_dim a multiple of 16 up to 256)."""
+    head_dim = q.shape[2]
+    if q.dtype == k_cache.dtype == torch.bfloat16:
+        if head_dim in (64, 128) and lib.pdserve_paged_attention_native():
+            return lib.pdserve_prefill_attention_bf16, ()
+        return None
+    if q.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256:
+        return lib.pdserve_prefill_attention_f32, (int(k_cache.dtype == torch.bfloat16),)
+    return None
 
 
 def _prefill_c(fn, extra, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):

@@ -289,6 +289,8 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
     }
 }
 
+#include "prefill_walk.h" /* the walk of both prefill attention kernels */
+
 #if defined(__AVX2__) && defined(__AVX512F__)
 #define ATTN_512 1 /* decode attention for fp32 pools (and bf16 ones with ATTN_NATIVE) */
 #if defined(PDSERVE_EMULATE_AVX512BF16) && !defined(__AVX512BF16__) /* tests only */

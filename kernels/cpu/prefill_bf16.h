@@ -28,8 +28,7 @@
  * the outputs and a full-precision exp), side by side; the score and P @ V loops now run
  * without spills, ~70 % of the time.
  */
-#define QB 16 /* queries per task */
-#define QR 4  /* queries whose scores are computed together */
+#define QR PW_QR /* queries whose scores are computed together (prefill_walk.h's quads) */
 
 /* Gather keys 0 .. ctx-1 of kv head g into kt and values into vp (zero-padded to whole tiles). */
 static int gather_kv_t(const Pool *p, const int32_t *blocks, int64_t ctx, int g, uint32_t *kt,
@@ -173,21 +172,24 @@ static inline __attribute__((always_inline)) void prefill_quad(
     }
 }
 
-static void prefill_quad_any(const uint16_t *const qrow[QR], const int64_t pos[QR], int nq,
+static void prefill_quad_any(const void *const qrow[QR], const int64_t pos[QR], int nq,
                              const uint32_t *kt, const uint32_t *vp, int hd, float scale,
-                             uint16_t *const orow[QR]) {
+                             void *const orow[QR]) {
+    const uint16_t *q[QR];
+    uint16_t *o[QR];
+    for (int i = 0; i < QR; i++) q[i] = qrow[i], o[i] = orow[i];
     if (hd == 64)
-        prefill_quad(qrow, pos, nq, kt, vp, 64, scale, orow);
+        prefill_quad(q, pos, nq, kt, vp, 64, scale, o);
     else
-        prefill_quad(qrow, pos, nq, kt, vp, 128, scale, orow);
+        prefill_quad(q, pos, nq, kt, vp, 128, scale, o);
 }
 
+/* 4-byte words of one kv head's keys of ctx tokens (kt; vp takes as many). */
+static int64_t prefill_words(int64_t ctx, int hd) { return ((ctx + TOK - 1) / TOK) * TOK * (hd / 2); }
+
 /*
- * q [num_tokens, num_heads, head_dim] (strides q_tok_stride, q_head_stride, 1), out contiguous
- * alike; sequence s owns tokens query_start[s] .. query_start[s+1]-1, the last of its
- * context_lens[s] positions (its earlier ones are a cached prefix). Returns the number of
- * sequences whose context or block ids were out of range (their outputs are zeroed), -1 if
- * scratch memory could not be had.
+ * q [num_tokens, num_heads, head_dim] bf16 (strides q_tok_stride, q_head_stride, 1), out
+ * contiguous alike: prefill_walk.h's walk (and its returns) with this file's gather and quads.
  */
 int pdserve_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache,
                                    const int32_t *block_tables, const int32_t *query_start,
@@ -198,85 +200,9 @@ int pdserve_prefill_attention_bf16(const uint16_t *q, const void *k_cache, const
                                    float scale, int32_t num_threads) {
     const Pool pool = {k_cache, v_cache, num_blocks, max_blocks, (int)num_kv_heads,
                        (int)head_dim, (int)block_size, (int)(num_heads / num_kv_heads), 1, 1};
-    const int group = pool.group, hd = (int)head_dim;
-    /* workspace: kt and vp of every (sequence, kv head); task list */
-    int64_t words = 0, num_tasks = 0;
-    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (!offset) return -1;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        offset[s] = words;
-        const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
-        words += 2 * num_kv_heads * ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
-        num_tasks += num_kv_heads * ((query_start[s + 1] - query_start[s] + QB - 1) / QB);
-    }
-    offset[num_seqs] = words;
-    uint32_t *work = malloc(sizeof(uint32_t) * (size_t)(words + 1));
-    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_tasks + 1));
-    int *bad = calloc((size_t)num_seqs + 1, sizeof(int));
-    if (!work || !tasks || !bad) {
-        free(offset), free(work), free(tasks), free(bad);
-        return -1;
-    }
-    int64_t t = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t nq = query_start[s + 1] - query_start[s];
-        const int64_t ctx = context_lens[s];
-        if (ctx < nq || ctx < 0 || (ctx + block_size - 1) / block_size > max_blocks) bad[s] = 1;
-        for (int64_t b = 0; b < (nq + QB - 1) / QB; b++)
-            for (int64_t g = 0; g < num_kv_heads; g++) {
-                tasks[3 * t] = s, tasks[3 * t + 1] = b, tasks[3 * t + 2] = g;
-                t++;
-            }
-    }
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_seqs * num_kv_heads; i++) {
-            const int64_t s = i / num_kv_heads;
-            const int g = (int)(i % num_kv_heads);
-            if (bad[s]) continue;
-            const int64_t ctx = context_lens[s];
-            const int64_t half = ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
-            uint32_t *kt = work + offset[s] + 2 * g * half;
-            if (gather_kv_t(&pool, block_tables + s * bt_stride, ctx, g, kt, kt + half))
-                bad[s] = 1; /* benign race: only ever set to 1 */
-        }
-        /* implicit barrier: every sequence gathered (or marked bad) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = num_tasks - 1; i >= 0; i--) { /* the costliest (last) blocks first */
-            const int64_t s = tasks[3 * i], b = tasks[3 * i + 1];
-            const int g = (int)tasks[3 * i + 2];
-            const int64_t q0 = query_start[s], nq_seq = query_start[s + 1] - q0;
-            const int64_t prefix = context_lens[s] - nq_seq;
-            const int64_t r0 = b * QB, r1 = r0 + QB < nq_seq ? r0 + QB : nq_seq;
-            const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
-            const int64_t half = ((ctx + TOK - 1) / TOK) * TOK * (hd / 2);
-            const uint32_t *kt = work + offset[s] + 2 * g * half, *vp = kt + half;
-            for (int h = g * group; h < (g + 1) * group; h++) {
-                for (int64_t r = r0; r < r1; r += QR) {
-                    const int nq = r1 - r < QR ? (int)(r1 - r) : QR;
-                    const uint16_t *qrow[QR];
-                    uint16_t *orow[QR];
-                    int64_t pos[QR];
-                    for (int i = 0; i < QR; i++) {
-                        const int64_t tok = q0 + r + (i < nq ? i : nq - 1);
-                        qrow[i] = q + tok * q_tok_stride + h * q_head_stride;
-                        orow[i] = out + (tok * num_heads + h) * hd;
-                        pos[i] = prefix + r + (i < nq ? i : nq - 1);
-                    }
-                    if (bad[s]) {
-                        for (int i = 0; i < nq; i++) memset(orow[i], 0, sizeof(uint16_t) * (size_t)hd);
-                        continue;
-                    }
-                    prefill_quad_any(qrow, pos, nq, kt, vp, hd, scale, orow);
-                }
-            }
-        }
-    }
-    int num_bad = 0;
-    for (int64_t s = 0; s < num_seqs; s++) num_bad += bad[s];
-    free(offset), free(work), free(tasks), free(bad);
-    return num_bad;
+    const PrefillKind kind = {prefill_words, gather_kv_t, prefill_quad_any, 2};
+    return prefill_walk(&kind, &pool, q, block_tables, query_start, context_lens, out, num_seqs,
+                        num_heads, bt_stride, q_tok_stride, q_head_stride, num_threads, scale);
 }
 
 #endif /* PDSERVE_PREFILL_BF16_H */

@@ -27,8 +27,7 @@
  * 512-token prefill whose projections run at 145-205 (docs/benchmarks.md).
  */
 #define PF_TOK 8     /* keys per tile: one vector of scores */
-#define PF_QB 16     /* queries per task */
-#define PF_QR 4      /* queries whose scores are computed together */
+#define PF_QR PW_QR  /* queries whose scores are computed together (prefill_walk.h's quads) */
 #define PF_NT 3      /* key tiles per pass of the score loop */
 #define PF_CHUNK 512 /* keys per softmax pass: a quad's scores (4 x 2 KB) stay in L1 */
 
@@ -191,23 +190,32 @@ static inline __attribute__((always_inline)) void pf_quad(const float *const qro
     }
 }
 
-static void pf_quad_any(const float *const qrow[PF_QR], const int64_t pos[PF_QR], int nq,
-                        const float *kt, const float *vr, int hd, float scale,
-                        float *const orow[PF_QR]) {
+static void pf_quad_any(const void *const qrow[PF_QR], const int64_t pos[PF_QR], int nq,
+                        const uint32_t *kt, const uint32_t *vr, int hd, float scale,
+                        void *const orow[PF_QR]) {
+    const float *q[PF_QR], *k = (const float *)kt, *v = (const float *)vr;
+    float *o[PF_QR];
+    for (int i = 0; i < PF_QR; i++) q[i] = qrow[i], o[i] = orow[i];
     if (hd == 64)
-        pf_quad(qrow, pos, nq, kt, vr, 64, scale, orow);
+        pf_quad(q, pos, nq, k, v, 64, scale, o);
     else if (hd == 128)
-        pf_quad(qrow, pos, nq, kt, vr, 128, scale, orow);
+        pf_quad(q, pos, nq, k, v, 128, scale, o);
     else
-        pf_quad(qrow, pos, nq, kt, vr, hd, scale, orow);
+        pf_quad(q, pos, nq, k, v, hd, scale, o);
 }
+
+static int pf_gather_words(const Pool *p, const int32_t *blocks, int64_t ctx, int g, uint32_t *kt,
+                           uint32_t *vr) {
+    return pf_gather(p, blocks, ctx, g, (float *)kt, (float *)vr);
+}
+
+/* 4-byte words (floats) of one kv head's keys of ctx tokens (kt; vr takes as many). */
+static int64_t pf_words(int64_t ctx, int hd) { return (ctx + PF_TOK - 1) / PF_TOK * PF_TOK * hd; }
 
 /*
  * q [num_tokens, num_heads, head_dim] fp32 (strides q_tok_stride, q_head_stride, 1), out
- * contiguous alike; pools fp32 (kv_bf16 0) or bf16 (1). Sequence s owns tokens query_start[s] ..
- * query_start[s+1]-1, the last of its context_lens[s] positions (its earlier ones are a cached
- * prefix). Returns the number of sequences whose context or block ids were out of range (their
- * outputs are zeroed), -1 if scratch memory could not be had, -2 for a head_dim it does not take.
+ * contiguous alike; pools fp32 (kv_bf16 0) or bf16 (1): prefill_walk.h's walk (and its returns)
+ * with this file's gather and quads; -2 for a head_dim it does not take.
  */
 int pdserve_prefill_attention_f32(const float *q, const void *k_cache, const void *v_cache,
                                   const int32_t *block_tables, const int32_t *query_start,
@@ -220,82 +228,9 @@ int pdserve_prefill_attention_f32(const float *q, const void *k_cache, const voi
     const Pool pool = {k_cache,          v_cache,         num_blocks, max_blocks,
                        (int)num_kv_heads, (int)head_dim, (int)block_size,
                        (int)(num_heads / num_kv_heads), kv_bf16 != 0, 0};
-    const int group = pool.group, hd = (int)head_dim;
-    int64_t floats = 0, num_tasks = 0;
-    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (!offset) return -1;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        offset[s] = floats;
-        const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
-        floats += 2 * num_kv_heads * ((ctx + PF_TOK - 1) / PF_TOK) * PF_TOK * hd;
-        num_tasks += num_kv_heads * ((query_start[s + 1] - query_start[s] + PF_QB - 1) / PF_QB);
-    }
-    float *work = malloc(sizeof(float) * (size_t)(floats + 1));
-    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_tasks + 1));
-    int *bad = calloc((size_t)num_seqs + 1, sizeof(int));
-    if (!work || !tasks || !bad) {
-        free(offset), free(work), free(tasks), free(bad);
-        return -1;
-    }
-    int64_t t = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t nq = query_start[s + 1] - query_start[s], ctx = context_lens[s];
-        if (ctx < nq || ctx < 0 || (ctx + block_size - 1) / block_size > max_blocks) bad[s] = 1;
-        for (int64_t b = 0; b < (nq + PF_QB - 1) / PF_QB; b++)
-            for (int64_t g = 0; g < num_kv_heads; g++) {
-                tasks[3 * t] = s, tasks[3 * t + 1] = b, tasks[3 * t + 2] = g;
-                t++;
-            }
-    }
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_seqs * num_kv_heads; i++) {
-            const int64_t s = i / num_kv_heads;
-            const int g = (int)(i % num_kv_heads);
-            if (bad[s]) continue;
-            const int64_t ctx = context_lens[s];
-            const int64_t half = (ctx + PF_TOK - 1) / PF_TOK * PF_TOK * hd;
-            float *kt = work + offset[s] + 2 * g * half;
-            if (pf_gather(&pool, block_tables + s * bt_stride, ctx, g, kt, kt + half))
-                bad[s] = 1; /* benign race: only ever set to 1 */
-        }
-        /* implicit barrier: every sequence gathered (or marked bad) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = num_tasks - 1; i >= 0; i--) { /* the costliest (last) blocks first */
-            const int64_t s = tasks[3 * i], b = tasks[3 * i + 1];
-            const int g = (int)tasks[3 * i + 2];
-            const int64_t q0 = query_start[s], nq_seq = query_start[s + 1] - q0;
-            const int64_t prefix = context_lens[s] - nq_seq;
-            const int64_t r0 = b * PF_QB, r1 = r0 + PF_QB < nq_seq ? r0 + PF_QB : nq_seq;
-            const int64_t ctx = context_lens[s] > 0 ? context_lens[s] : 0;
-            const int64_t half = (ctx + PF_TOK - 1) / PF_TOK * PF_TOK * hd;
-            const float *kt = work + offset[s] + 2 * g * half, *vr = kt + half;
-            for (int h = g * group; h < (g + 1) * group; h++) {
-                for (int64_t r = r0; r < r1; r += PF_QR) {
-                    const int nq = r1 - r < PF_QR ? (int)(r1 - r) : PF_QR;
-                    const float *qrow[PF_QR];
-                    float *orow[PF_QR];
-                    int64_t pos[PF_QR];
-                    for (int j = 0; j < PF_QR; j++) {
-                        const int64_t tok = q0 + r + (j < nq ? j : nq - 1);
-                        qrow[j] = q + tok * q_tok_stride + h * q_head_stride;
-                        orow[j] = out + (tok * num_heads + h) * hd;
-                        pos[j] = prefix + r + (j < nq ? j : nq - 1);
-                    }
-                    if (bad[s]) {
-                        for (int j = 0; j < nq; j++) memset(orow[j], 0, sizeof(float) * (size_t)hd);
-                        continue;
-                    }
-                    pf_quad_any(qrow, pos, nq, kt, vr, hd, scale, orow);
-                }
-            }
-        }
-    }
-    int num_bad = 0;
-    for (int64_t s = 0; s < num_seqs; s++) num_bad += bad[s];
-    free(offset), free(work), free(tasks), free(bad);
-    return num_bad;
+    const PrefillKind kind = {pf_words, pf_gather_words, pf_quad_any, 4};
+    return prefill_walk(&kind, &pool, q, block_tables, query_start, context_lens, out, num_seqs,
+                        num_heads, bt_stride, q_tok_stride, q_head_stride, num_threads, scale);
 }
 
 #endif /* PDSERVE_PREFILL_F32_H */

@@ -14,6 +14,22 @@ import torch
 
 POISON_BLOCK = 2**30  # block table padding: reading it means reading past a sequence's blocks
 
+# (new tokens, cached prefix) of the prefill attention tests' batch: one query, partial quads of 4
+# and blocks of 16, tiles across the diagonal, more keys than one 512-key softmax chunk (the rescale
+# between chunks), cached prefixes of any length
+PREFILL_BATCH = [
+    (1, 0),
+    (3, 0),
+    (17, 0),
+    (70, 0),
+    (5, 16),
+    (33, 67),
+    (1, 130),
+    (64, 64),
+    (530, 0),
+    (21, 600),
+]
+
 TOLERANCES = {  # (atol, rtol) for outputs of magnitude ~1
     torch.float32: (1e-5, 1e-5),
     torch.bfloat16: (2e-2, 2e-2),  # a few bf16 ulps: output rounding, bf16 P@V on GPU

@@ -13,6 +13,7 @@ from pdserve.kernels import reference
 from pdserve.kernels.cpu import build, fused, ops
 
 from pdserve import kernels
+from tests.kernels.conftest import PREFILL_BATCH
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -223,18 +224,7 @@ def test_native_bf16_prefill_attention(
     if not ops.native_available() or not ops.attention_bf16_native():
         pytest.skip("no AVX512-BF16 here: bf16 prefill attention takes SDPA")
     num_heads, num_kv_heads, head_dim = heads
-    seqs = [
-        (1, 0),
-        (3, 0),
-        (17, 0),
-        (70, 0),
-        (5, 16),
-        (33, 67),
-        (1, 130),
-        (64, 64),  # (new, prefix)
-        (530, 0),
-        (21, 600),
-    ]
+    seqs = PREFILL_BATCH
     q_lens = [n for n, _ in seqs]
     case = paged_case(
         [n + p for n, p in seqs],

@@ -9,22 +9,9 @@ import pytest
 import torch
 from pdserve.kernels.cpu import build, ops
 
-needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+from tests.kernels.conftest import PREFILL_BATCH
 
-# (new tokens, cached prefix): one query, partial quads and blocks of 16, tiles across the
-# diagonal, more keys than one 512-key softmax chunk (the rescale between chunks), prefixes
-BATCH = [
-    (1, 0),
-    (3, 0),
-    (17, 0),
-    (70, 0),
-    (5, 16),
-    (33, 67),
-    (1, 130),
-    (64, 64),
-    (530, 0),
-    (21, 600),
-]
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +63,7 @@ def test_fp32_prefill_attention_against_dense(
 ):
     """Every shape of batch above, against float64 attention on the sequences' own K/V; the
     torch fallback is switched off, so the C kernel is what ran."""
-    case, q, q_lens, starts = _inputs(paged_case, BATCH, heads, block_size, pool_dtype)
+    case, q, q_lens, starts = _inputs(paged_case, PREFILL_BATCH, heads, block_size, pool_dtype)
     monkeypatch.setattr(ops.F, "scaled_dot_product_attention", None)
     scale = heads[2] ** -0.5
     out = ops.prefill_attention(
