@@ -174,7 +174,7 @@ def bench_prefill(dtype: torch.dtype, repeats: int) -> None:
         expected = reference.prefill_attention(*args).float()
         for impl, fn in (
             ("reference", reference.prefill_attention),
-            ("cpu", ops.prefill_attention),  # C with AVX512-BF16 for bf16, else torch's SDPA
+            ("cpu", ops.prefill_attention),  # C (bf16: with AVX512-BF16, else SDPA; fp32: C)
         ):
             err = (fn(*args).float() - expected).abs().max().item()
             ms = median_ms(lambda fn=fn, args=args: fn(*args), max(3, repeats // 5))
