@@ -402,6 +402,7 @@ class Gateway:
         now, stale_s = costs.now(), self.router.stale_s
         prefill_todo, believed = costs.work_and_belief(prefill, job, now, stale_s)
         hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
+        ticket = prefill.send_order.enter()  # its call leaves after those routed there before
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
         prefill.prompts += 1
@@ -428,6 +429,7 @@ class Gateway:
                 raise WorkerFailed(decode, "decode worker did not admit the request")
             costs.prompt_sent(decode, job)  # it keeps the prompt's blocks (decode-side reuse)
             admitted = True
+            await prefill.send_order.turn(ticket)
             prefill_call = prefill.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=rid,
@@ -439,6 +441,7 @@ class Gateway:
                 timeout=timeout or hold_s,
                 metadata=md,
             )
+            prefill.send_order.leave(ticket)
             prefill.track(prefill_call)
             costs.prompt_sent(prefill, job)
             queued = prefill.outstanding_tokens - prefill_todo
@@ -468,6 +471,7 @@ class Gateway:
                 ended = bool(msg.tokens.finish_reason)  # the caller stops reading after it
                 yield chunk(msg.tokens, resp.cached_prompt_tokens)
         finally:
+            prefill.send_order.leave(ticket)
             if ended and self.warmer is not None:
                 self.warmer.reply_ended(prefill, job, generated, rid, md)
             decode.outstanding_tokens -= cost

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.services.gateway.send_order import SendOrder
+
 from pdserve import rpc, tls
 from pdserve.v1 import worker_pb2_grpc
 
@@ -64,6 +66,8 @@ class Worker:
     # (an average over its answers, cost.record_hits): below 1 while its cache evicts what the
     # gateway believes it holds (more sessions sent there than it can keep).
     hit_share: float = 1.0
+    # prefill workers: this gateway's prompts go there in the order their KV holds were sized
+    send_order: SendOrder = field(default_factory=SendOrder, repr=False)
 
     def __post_init__(self) -> None:
         if self.channel is None:
