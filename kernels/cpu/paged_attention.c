@@ -290,6 +290,7 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 }
 
 #include "prefill_walk.h" /* the walk of both prefill attention kernels */
+#define ATTN_UNROLL _Pragma("GCC unroll 16")
 
 #if defined(__AVX2__) && defined(__AVX512F__)
 #define ATTN_512 1 /* decode attention for fp32 pools (and bf16 ones with ATTN_NATIVE) */
@@ -307,7 +308,6 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #define ATTN_NATIVE 0
 #endif
 #include "exp512.h"
-#define ATTN_UNROLL _Pragma("GCC unroll 16")
 #include "decode_512.h"   /* decode attention's tiles: scores, softmax, P @ V */
 #include "decode_parts.h" /* and its walk: parts of a sequence, every kv head, the threads */
 #if ATTN_NATIVE
@@ -317,7 +317,6 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ATTN_512 0
 #define ATTN_NATIVE 0
-#define ATTN_UNROLL _Pragma("GCC unroll 16")
 #include "decode_256.h"   /* fp32 pools: the same walk on 8-lane registers */
 #include "decode_parts.h"
 #define ATTN_PARTS 1
@@ -325,9 +324,6 @@ static void merge_spans(const Pool *p, const float *part, int64_t part_size, int
 #define ATTN_512 0
 #define ATTN_NATIVE 0
 #define ATTN_PARTS 0
-#endif
-#ifndef ATTN_UNROLL
-#define ATTN_UNROLL _Pragma("GCC unroll 16")
 #endif
 #include "prefill_f32.h" /* fp32 prefill attention, every build */
 

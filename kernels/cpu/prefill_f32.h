@@ -33,8 +33,9 @@
 
 /* Keys 0 .. ctx-1 of kv head g into kt (tiles of PF_TOK keys, dims outer) and values into vr
  * (rows), zero up to a whole tile. Returns 1 if a block id is out of range. */
-static int pf_gather(const Pool *p, const int32_t *blocks, int64_t ctx, int g, float *kt,
-                     float *vr) {
+static int pf_gather(const Pool *p, const int32_t *blocks, int64_t ctx, int g, uint32_t *kt_words,
+                     uint32_t *vr_words) {
+    float *kt = (float *)kt_words, *vr = (float *)vr_words;
     const int hd = p->head_dim;
     const int64_t padded = (ctx + PF_TOK - 1) / PF_TOK * PF_TOK;
     for (int64_t t = 0; t < padded; t++) {
@@ -204,11 +205,6 @@ static void pf_quad_any(const void *const qrow[PF_QR], const int64_t pos[PF_QR],
         pf_quad(q, pos, nq, k, v, hd, scale, o);
 }
 
-static int pf_gather_words(const Pool *p, const int32_t *blocks, int64_t ctx, int g, uint32_t *kt,
-                           uint32_t *vr) {
-    return pf_gather(p, blocks, ctx, g, (float *)kt, (float *)vr);
-}
-
 /* 4-byte words (floats) of one kv head's keys of ctx tokens (kt; vr takes as many). */
 static int64_t pf_words(int64_t ctx, int hd) { return (ctx + PF_TOK - 1) / PF_TOK * PF_TOK * hd; }
 
@@ -228,7 +224,7 @@ int pdserve_prefill_attention_f32(const float *q, const void *k_cache, const voi
     const Pool pool = {k_cache,          v_cache,         num_blocks, max_blocks,
                        (int)num_kv_heads, (int)head_dim, (int)block_size,
                        (int)(num_heads / num_kv_heads), kv_bf16 != 0, 0};
-    const PrefillKind kind = {pf_words, pf_gather_words, pf_quad_any, 4};
+    const PrefillKind kind = {pf_words, pf_gather, pf_quad_any, 4};
     return prefill_walk(&kind, &pool, q, block_tables, query_start, context_lens, out, num_seqs,
                         num_heads, bt_stride, q_tok_stride, q_head_stride, num_threads, scale);
 }

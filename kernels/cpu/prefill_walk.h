@@ -43,13 +43,14 @@ static int prefill_walk(const PrefillKind *kind, const Pool *pool, const void *q
     const int64_t num_kv_heads = pool->num_kv_heads, block_size = pool->block_size;
     const int group = pool->group, hd = pool->head_dim, elem = kind->elem;
     int64_t words = 0, num_tasks = 0;
-    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1)); /* kv head s's words */
     if (!offset) return -1;
     for (int64_t s = 0; s < num_seqs; s++) {
         offset[s] = words;
         words += 2 * num_kv_heads * kind->words(context_lens[s] > 0 ? context_lens[s] : 0, hd);
         num_tasks += num_kv_heads * ((query_start[s + 1] - query_start[s] + PW_QB - 1) / PW_QB);
     }
+    offset[num_seqs] = words;
     uint32_t *work = malloc(sizeof(uint32_t) * (size_t)(words + 1));
     int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_tasks + 1));
     int *bad = calloc((size_t)num_seqs + 1, sizeof(int));
@@ -75,7 +76,7 @@ static int prefill_walk(const PrefillKind *kind, const Pool *pool, const void *q
             const int64_t s = i / num_kv_heads;
             const int g = (int)(i % num_kv_heads);
             if (bad[s]) continue;
-            const int64_t half = kind->words(context_lens[s], hd);
+            const int64_t half = (offset[s + 1] - offset[s]) / (2 * num_kv_heads);
             uint32_t *kt = work + offset[s] + 2 * g * half;
             if (kind->gather(pool, block_tables + s * bt_stride, context_lens[s], g, kt, kt + half))
                 bad[s] = 1; /* benign race: only ever set to 1 */
@@ -88,7 +89,7 @@ static int prefill_walk(const PrefillKind *kind, const Pool *pool, const void *q
             const int64_t q0 = query_start[s], nq_seq = query_start[s + 1] - q0;
             const int64_t prefix = context_lens[s] - nq_seq;
             const int64_t r0 = b * PW_QB, r1 = r0 + PW_QB < nq_seq ? r0 + PW_QB : nq_seq;
-            const int64_t half = kind->words(context_lens[s] > 0 ? context_lens[s] : 0, hd);
+            const int64_t half = (offset[s + 1] - offset[s]) / (2 * num_kv_heads);
             const uint32_t *kt = work + offset[s] + 2 * g * half;
             for (int h = g * group; h < (g + 1) * group; h++) {
                 for (int64_t r = r0; r < r1; r += PW_QR) {

@@ -402,7 +402,6 @@ class Gateway:
         now, stale_s = costs.now(), self.router.stale_s
         prefill_todo, believed = costs.work_and_belief(prefill, job, now, stale_s)
         hold_s = costs.kv_hold_s(prefill, job, now, stale_s, self.config.kv_timeout_s)
-        ticket = prefill.send_order.enter()  # its call leaves after those routed there before
         decode.outstanding_tokens += cost
         prefill.outstanding_tokens += prefill_todo
         prefill.prompts += 1
@@ -420,6 +419,8 @@ class Gateway:
             metadata=md,
         )
         decode.track(call)
+        # its prefill call leaves after those routed there before it (no await since hold_s)
+        ticket = prefill.send_order.enter()
         prefill_done = prefilled = admitted = streaming = ended = False
         generated: list[int] = []  # the first token, then the decode worker's
         try:
