@@ -3,6 +3,8 @@ on the same workload, in one run; prints both summaries and their ratios.
 
     .venv/bin/python bench/disagg_vs_colocated.py --requests 64 --users 16 \\
         --prompt-words 0.9:64-256,0.1:2000 --output-len 128 --json out.json
+    # the workers' prompt order for the run (default: theirs, shortest first)
+    .venv/bin/python bench/disagg_vs_colocated.py --requests 64 --users 16 --prompt-order arrival
 """
 
 from __future__ import annotations
@@ -26,13 +28,20 @@ def main() -> None:
         default=None,
         help="the gateway's --decode-prefill-budget for the disaggregated cluster (default: its own)",
     )
+    parser.add_argument(
+        "--prompt-order",
+        default=None,
+        help="every worker's --prompt-order (default: their own)",
+    )
     args = parser.parse_args()
     budget = args.decode_prefill_budget
     gateway = {"disaggregated": [] if budget is None else ["--decode-prefill-budget", budget]}
+    order = [] if args.prompt_order is None else ["--prompt-order", args.prompt_order]
     results = {}
     for name in SETUPS:
         print(f"== {name}", flush=True)
-        results[name] = run_cluster(SETUPS[name], args, gateway_args=gateway.get(name))
+        workers = [[*argv, *order] for argv in SETUPS[name]]
+        results[name] = run_cluster(workers, args, gateway_args=gateway.get(name))
         print_summary(results[name])
     d, c = results["disaggregated"], results["colocated"]
     print("== disaggregated / colocated")

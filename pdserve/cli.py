@@ -20,7 +20,13 @@ def _size(text: str) -> int:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's settings; defaults are the config dataclasses' own."""
-    from pdserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.config import (
+        KV_CACHE_DTYPES,
+        PROMPT_ORDERS,
+        CacheConfig,
+        EngineConfig,
+        SchedulerConfig,
+    )
     from pdserve.model.fetch import DEFAULT_MODEL
 
     p.add_argument(
@@ -85,6 +91,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
     )
+    p.add_argument(
+        "--prompt-order",
+        choices=PROMPT_ORDERS,
+        default=SchedulerConfig.prompt_order,
+        help="which prompts a step computes first: shortest (default: the fewest tokens left to "
+        "compute; a prompt passed over waits at most ~4x its own compute time for later ones) or "
+        "arrival (first come, first served)",
+    )
 
 
 def _llm_from(args):
@@ -104,9 +118,7 @@ def _llm_from(args):
             resident=args.kv_resident,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
+        scheduler=SchedulerConfig.from_args(args),
     )
 
 

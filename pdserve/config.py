@@ -152,15 +152,30 @@ class CacheConfig:
             raise _unsupported_kv_cache_dtype(self.kv_cache_dtype)
 
 
+# The order prompts are computed in (scheduler.py): "shortest" first (the fewest tokens left to
+# compute, a waiting prompt aged by PROMPT_AGING), or "arrival" (first come, first served)
+PROMPT_ORDERS = ("shortest", "arrival")
+# "shortest": a prompt is passed over by later, shorter ones for at most about this many times
+# its own compute time; after that it goes before any prompt that arrives (gateways size KV holds
+# with it: cost.kv_hold_s)
+PROMPT_AGING = 4.0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching: at most ``max_num_seqs`` running, ``max_num_batched_tokens`` per forward."""
+    """Continuous batching: at most ``max_num_seqs`` running, ``max_num_batched_tokens`` per
+    forward, prompts computed in ``prompt_order`` (PROMPT_ORDERS)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    prompt_order: str = "shortest"
 
     def __post_init__(self) -> None:
+        if self.prompt_order not in PROMPT_ORDERS:
+            raise ValueError(
+                f"prompt order {self.prompt_order!r} is not one of {', '.join(PROMPT_ORDERS)}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -169,6 +184,15 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_args(cls, args) -> SchedulerConfig:
+        """From the engine's command-line options (``pdserve.cli._engine_args``)."""
+        return cls(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prompt_order=args.prompt_order,
+        )
 
 
 @dataclass(frozen=True)

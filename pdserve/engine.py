@@ -296,6 +296,7 @@ class LLMEngine:
             avg[0] += 0.2 * (seconds - avg[0])
             avg[1] += 0.2 * (num_tokens - avg[1])
         self.prefill_token_s = avg[0] / avg[1]
+        self.scheduler.token_s = self.prefill_token_s
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.output_token_ids.append(token)

@@ -1,7 +1,14 @@
 """Continuous batching at iteration level, with chunked prefill and admission by reservation.
 
 Each step: every decoding sequence gets one token, the rest of the token budget goes to prompt
-chunks (running prefills first, then newly admitted requests, FCFS). A request is admitted only
+chunks. Which prompts first is ``SchedulerConfig.prompt_order``: "arrival" continues the running
+prefills and then admits waiting requests first come, first served; "shortest" (the default)
+gives it to the prompts with the fewest tokens left to compute, running or waiting, a waiting or
+passed-over prompt counted shorter by the tokens the engine computes in 1 / PROMPT_AGING of the
+time it has waited (so it is passed over by later prompts for at most ~PROMPT_AGING times its own
+compute time). One long prompt then no longer holds every short one behind it for its whole
+compute time, which is what set the time to first token of a mix of chat turns and documents
+(docs/benchmarks.md, "Shortest prompts first"). A request is admitted only
 when blocks for its whole lifetime (prompt + max_tokens - 1) can be allocated, so no running
 request ever runs out of KV mid-decode and nothing is ever evicted. A request whose next
 uncached prompt block a running prefill is computing (or, on a decode worker, a transfer is
@@ -16,10 +23,11 @@ time: a request that arrives meanwhile waits for one such step at most.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import PROMPT_AGING, SchedulerConfig
 from pdserve.kv_cache.allocator import BlockAllocator, prefix_block_hashes
 from pdserve.sequence import Sequence, SequenceStatus
 
@@ -37,6 +45,7 @@ class ScheduledBatch:
         return bool(self.prefills or self.decodes)
 
 
+DEFAULT_TOKEN_S = 1e-3  # seconds per prompt token that age waiting prompts until one is measured
 WARM_CHUNK = 32  # prompt tokens of warm-ups per step: what a request arriving meanwhile waits for
 
 
@@ -71,6 +80,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.awaiting_kv: list[Sequence] = []
         self.warming: deque[Sequence] = deque()  # warm-ups not yet admitted (FCFS among them)
+        # seconds per prompt token, as the engine measures them (LLMEngine._measure_prefill):
+        # how "shortest" ages a prompt that waits; DEFAULT_TOKEN_S until then
+        self.token_s = 0.0
 
     def add(self, seq: Sequence) -> None:
         needed = blocks_needed(seq.max_kv_tokens, self.block_size)
@@ -130,6 +142,16 @@ class Scheduler:
             if not seq.in_prefill and budget > 0:
                 batch.decodes.append(seq)
                 budget -= 1
+        if self.config.prompt_order == "shortest":
+            budget = self._shortest_first(batch, budget)
+        else:
+            budget = self._in_arrival_order(batch, budget)
+        if not batch.prefills:
+            self._schedule_warm(batch, min(budget, WARM_CHUNK))
+        return batch
+
+    def _in_arrival_order(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running prefills' next chunks, then waiting requests first come, first served."""
         budget = self._continue_prefills(batch, budget, warm=False)
         pending = self._pending()
         i = 0  # the first waiting request not waiting for a prefix being computed
@@ -143,9 +165,45 @@ class Scheduler:
             pending.update(pending_hashes((seq,), self.block_size))
             del self.waiting[i]
             budget = self._admit(batch, seq, budget)
-        if not batch.prefills:
-            self._schedule_warm(batch, min(budget, WARM_CHUNK))
-        return batch
+        return budget
+
+    def _shortest_first(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running prefills and waiting requests by the tokens they have left to compute, less
+        what their wait has earned them (``_left``): chunks of the running ones, the waiting ones
+        admitted. Nobody is admitted past a waiting request that does not fit (it would never
+        fit while shorter ones keep coming); one waiting for a prefix being computed keeps its
+        place and reuses it once computed."""
+        now, pending = time.monotonic(), self._pending()
+        running = [s for s in self.running if s.in_prefill and not s.warm]
+        order = sorted(
+            [(self._left(s, now, s.num_prompt_tokens - s.num_computed_tokens), s) for s in running]
+            + [(self._left(s, now, self._to_compute(s, pending)), s) for s in self.waiting],
+            key=lambda c: c[0],
+        )
+        admitting = True
+        for _, seq in order:
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING:
+                budget = self._chunk(batch, seq, budget)
+            elif admitting and self._seat_free() and not self._waits(seq, pending):
+                if not self._allocate(seq):
+                    admitting = False
+                    continue
+                pending.update(pending_hashes((seq,), self.block_size))
+                self.waiting.remove(seq)
+                budget = self._admit(batch, seq, budget)
+        return budget
+
+    def _left(self, seq: Sequence, now: float, tokens: int) -> float:
+        """``seq``'s place in "shortest": its ``tokens`` left to compute less those the engine
+        computes in 1 / PROMPT_AGING of the time since it arrived."""
+        return tokens - (now - seq.arrival) / ((self.token_s or DEFAULT_TOKEN_S) * PROMPT_AGING)
+
+    def _to_compute(self, seq: Sequence, pending: set[bytes]) -> int:
+        """Tokens of a waiting prompt to compute: all but its leading blocks cached or being
+        computed."""
+        return seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
 
     def _schedule_warm(self, batch: ScheduledBatch, budget: int) -> None:
         """Warm-ups, in a step that computes no other prompt: those under way first, then new
@@ -195,9 +253,7 @@ class Scheduler:
             if s.in_prefill and not s.warm
         )
         pending = self._pending()
-        for seq in tuple(self.waiting):
-            n += seq.num_prompt_tokens - self._cached_blocks(seq, pending)[0] * self.block_size
-        return n
+        return n + sum(self._to_compute(seq, pending) for seq in tuple(self.waiting))
 
     def _needed_by_waiting(self) -> tuple[int, int]:
         """(seats, blocks) that the requests waiting here other than for a prefix being computed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,8 @@ class Sequence:
     # prefill side: computed only to leave its KV in the prefix cache (a chat's reply, so that
     # the next turn finds it), in steps no other prompt needs (Scheduler: ``warming``)
     warm: bool = False
+    # when the engine got it (time.monotonic()): how long it has waited ("shortest" ages it)
+    arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

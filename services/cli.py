@@ -42,9 +42,7 @@ def engine_config(args) -> EngineConfig:
             resident=args.kv_resident,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
+        scheduler=SchedulerConfig.from_args(args),
     )
 
 

@@ -140,6 +140,7 @@ def engine_argv(args) -> list[str]:
     argv += ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs)]
     argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    argv += ["--prompt-order", args.prompt_order]
     if args.kv_cache_bytes:
         argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if not args.prefix_caching:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from pdserve.services.gateway.registry import Worker
 
+from pdserve.config import PROMPT_AGING
 from pdserve.kv_cache.allocator import prefix_block_hashes
 from pdserve.kv_cache.prefix_summary import PrefixSummary
 from pdserve.v1 import worker_pb2
@@ -187,9 +188,15 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     one Zen 3 prefill core: 13 of 62 disaggregated prompts, some after 18 of 30 layers). The wait
     is the router's estimate (its queue at least what this gateway has in flight there), but
     until the worker has a measured rate (before its first heartbeat) at a slow one: a hold too
-    long costs nothing unless the KV never comes, one too short throws a prefill away."""
-    wait, _ = prefill_estimate(prefill, job, now, stale_s, KV_HOLD_TOKEN_S)
-    return min(kv_timeout_s + KV_HOLD_MARGIN * wait, max(MAX_KV_HOLD_S, kv_timeout_s))
+    long costs nothing unless the KV never comes, one too short throws a prefill away. A worker
+    that computes the shortest prompts first (its default) may pass this one over for later,
+    shorter ones for up to PROMPT_AGING times its own compute time: that is added."""
+    wait, cached = prefill_estimate(prefill, job, now, stale_s, KV_HOLD_TOKEN_S)
+    token_s = measured_token_s(prefill, fresh_report(prefill, now, stale_s)) or KV_HOLD_TOKEN_S
+    # and what later, shorter prompts may take ahead of it ("shortest" prompt order)
+    passed_over = PROMPT_AGING * (len(job.prompt_ids) - cached) * token_s
+    hold = kv_timeout_s + KV_HOLD_MARGIN * wait + passed_over
+    return min(hold, max(MAX_KV_HOLD_S, kv_timeout_s))
 
 
 def decode_load(w: Worker, job: Job, now: float, stale_s: float) -> tuple[int, int, float]:

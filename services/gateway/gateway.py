@@ -445,18 +445,18 @@ class Gateway:
             prefill.send_order.leave(ticket)
             prefill.track(prefill_call)
             costs.prompt_sent(prefill, job)
-            queued = prefill.outstanding_tokens - prefill_todo
-            began = time.perf_counter()
+            placement.prefill_started(prefill, time.perf_counter())
+            computed = None
             try:
                 resp = await prefill_call
                 prefilled = True
                 prefill.progressed()
                 computed = len(ids) - resp.cached_prompt_tokens
-                placement.record_prefill(prefill, queued, computed, time.perf_counter() - began)
                 costs.record_hits(prefill, believed, resp.cached_prompt_tokens)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
                 raise call_failed(prefill, e) from None
             finally:
+                placement.record_prefill(prefill, computed, time.perf_counter())
                 prefill.calls.discard(prefill_call)
                 prefill.outstanding_tokens -= prefill_todo
                 prefill.prompts -= 1

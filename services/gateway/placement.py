@@ -47,10 +47,12 @@ Work is counted in prompt tokens to compute: a prompt less the leading blocks th
 expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
 sent there lately); a prompt whose prefix the decode worker holds (decode-side prefix reuse) is
 cheap to prefill there. Times come from one rate per prefill worker: prompt tokens computed per
-second, measured on every disaggregated prefill as (tokens queued ahead + those it computed) /
-its duration, an exponential average. (Counted in whole prompts, as until 2026-11-27, the cache
-hits made the rate look several times faster than computing is, and a cold prompt looked that
-much cheaper to prefill on the decode worker.)
+second while this gateway's prompts keep it busy (``record_prefill``). (Counted in whole prompts,
+as until 2026-11-27, the cache hits made the rate look several times faster than computing is,
+and a cold prompt looked that much cheaper to prefill on the decode worker.) The queue is
+counted whole, as if the prefill worker computed its prompts in arrival order: with the shortest
+first (its default ``--prompt-order``) a short prompt waits less than that, so the decode worker
+may take one on that would soon have been computed there; the share rule bounds how often.
 A decode worker is assumed to prefill at the rate of the prefill worker it would have used (same
 model; the roles run the same engine). Until this gateway has measured a rate, the prefill
 worker's own is used (``prefill_token_s`` in its heartbeats, measured by its engine from its
@@ -75,14 +77,35 @@ PREFILL_BUSY = "prefill_busy"
 DISAGGREGATED = "disaggregated"
 
 
-def record_prefill(prefill: Worker, queued_tokens: int, tokens: int, seconds: float) -> None:
-    """A disaggregated prefill that computed ``tokens`` took ``seconds`` with ``queued_tokens``
-    (to compute) ahead of it."""
-    if seconds <= 0 or tokens <= 0:
+def prefill_started(prefill: Worker, at: float) -> None:
+    """A prefill call of this gateway's went out to ``prefill`` at ``at`` (time.perf_counter()):
+    the worker is busy with this gateway's prompts from then, if it was not already."""
+    if not prefill.prefills_running:
+        prefill.prefill_busy_from = at
+    prefill.prefills_running += 1
+
+
+def record_prefill(prefill: Worker, tokens: int | None, at: float) -> None:
+    """A prefill call ``prefill_started`` ended at ``at``, having computed ``tokens`` (None: it
+    failed). The worker's rate is the prompt tokens its prefills computed over the time they kept
+    it busy: each that ends counts the time since the previous one ended (or since it was sent,
+    if none was running), and the rate is the ratio of exponential averages of both. Not a
+    prompt's tokens and those queued ahead of it over its own duration, as until 2026-11-30: a
+    worker computes the shortest prompts first (``--prompt-order``), so a short one passes the
+    queue and a long one waits for later ones, and that measure read several times the real
+    rate (most prompts are the short ones)."""
+    prefill.prefills_running -= 1
+    seconds, prefill.prefill_busy_from = at - prefill.prefill_busy_from, at
+    if tokens is None:
         return
-    rate = (queued_tokens + tokens) / seconds
-    prev = prefill.prefill_rate
-    prefill.prefill_rate = rate if prev is None else prev + RATE_WEIGHT * (rate - prev)
+    avg = prefill.prefill_averages
+    if not avg:
+        avg[:] = [tokens, seconds]
+    else:
+        avg[0] += RATE_WEIGHT * (tokens - avg[0])
+        avg[1] += RATE_WEIGHT * (seconds - avg[1])
+    if avg[0] > 0 and avg[1] > 0:
+        prefill.prefill_rate = avg[0] / avg[1]
 
 
 def decode_idle(decode: Worker, cost: int) -> bool:

@@ -28,6 +28,12 @@ class Worker:
     outstanding_tokens: int = 0
     failures: int = 0
     prefill_rate: float | None = None  # prefill workers: prompt tokens computed/s (placement.py)
+    # what prefill_rate is measured from (placement.record_prefill): this gateway's prefill calls
+    # running there, since when they have kept it busy, exponential averages of prompt tokens
+    # computed and of the seconds they took
+    prefills_running: int = 0
+    prefill_busy_from: float = 0.0
+    prefill_averages: list = field(default_factory=list, repr=False)
     local_prefill_tokens: int = 0  # prompt tokens it is computing itself for us now
     # decode workers: until when they take no prompt for a busy prefill worker (placement.spread)
     prefill_busy_until: float = 0.0

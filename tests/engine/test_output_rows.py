@@ -25,7 +25,11 @@ def test_sampled_rows_only_equal_every_row(default_model_dir, monkeypatch):
         device="cpu",
         threads=2,
         cache=CacheConfig(block_size=16, kv_cache_bytes=16 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40),
+        # the steps this workload is built to give (a chunk left unfinished, a step without a
+        # sampled row) are those of arrival order
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=40, prompt_order="arrival"
+        ),
     )
     engine = llm.engine
     model = engine.runner.model

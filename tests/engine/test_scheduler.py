@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from pdserve.config import SchedulerConfig
@@ -9,11 +11,10 @@ from pdserve.sequence import Sequence, SequenceStatus
 BS = 4
 
 
-def make(num_blocks=16, max_num_seqs=8, budget=64):
+def make(num_blocks=16, max_num_seqs=8, budget=64, order="shortest"):
     alloc = BlockAllocator(num_blocks)
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), alloc, BS
-    ), alloc
+    config = SchedulerConfig(max_num_seqs, budget, prompt_order=order)
+    return Scheduler(config, alloc, BS), alloc
 
 
 def seq(rid, prompt_len, max_tokens=4, first=0):
@@ -42,8 +43,11 @@ def test_admission_reserves_the_whole_lifetime():
     assert len(q.block_table) == 3 and alloc.num_used_blocks == 3
 
 
-def test_full_cache_keeps_requests_waiting_fcfs_and_frees_everything():
-    s, alloc = make(num_blocks=4)
+@pytest.mark.parametrize(
+    ("order", "admitted", "left"), [("arrival", "ab", "c"), ("shortest", "cb", "a")]
+)
+def test_a_full_cache_keeps_requests_waiting_in_order_and_frees_everything(order, admitted, left):
+    s, alloc = make(num_blocks=4, order=order)
     a, b, c = (
         seq("a", 8, 5),
         seq("b", 4, 1),
@@ -52,13 +56,13 @@ def test_full_cache_keeps_requests_waiting_fcfs_and_frees_everything():
     for q in (a, b, c):
         s.add(q)
     first = run_step(s)
-    assert [q.request_id for q, _ in first.prefills] == ["a", "b"]
-    assert c.status is SequenceStatus.WAITING  # no block left for it
-    admitted_c = False
+    assert [q.request_id for q, _ in first.prefills] == list(admitted)
+    # no block left for it (arrival: c would fit, but nobody overtakes a)
+    assert {"a": a, "b": b, "c": c}[left].status is SequenceStatus.WAITING
+    later = set()
     while s.has_unfinished():
-        batch = run_step(s)
-        admitted_c |= any(q is c for q, _ in batch.prefills)
-    assert admitted_c and alloc.num_free_blocks == 4
+        later.update(q.request_id for q, _ in run_step(s).prefills)
+    assert left in later and alloc.num_free_blocks == 4
     assert all(q.status is SequenceStatus.FINISHED for q in (a, b, c))
 
 
@@ -144,7 +148,7 @@ def test_a_prompt_whose_prefix_is_being_computed_waits_for_it_and_reuses_it():
         s.add(q)
     first = run_step(s)
     # b would compute a's prefix beside it: it keeps its place, c goes ahead
-    assert [q.request_id for q, _ in first.prefills] == ["a", "c"]
+    assert sorted(q.request_id for q, _ in first.prefills) == ["a", "c"]
     assert b.status is SequenceStatus.WAITING and list(s.waiting) == [b]
     second = s.schedule()
     assert second.prefills == [(b, 2)] and b.num_cached_tokens == 8
@@ -270,3 +274,63 @@ def test_without_prefix_caching_nothing_generated_is_published():
     for t in range(7):
         run_step(s, token=50 + t)
     assert alloc.cached_hashes() == ()
+
+
+def test_shortest_first_passes_a_long_prompt_over_between_its_chunks():
+    s, alloc = make(num_blocks=32, budget=8)
+    long, short = seq("long", 20, 2), seq("short", 5, 2, first=100)
+    s.add(long)
+    assert run_step(s).prefills == [(long, 8)]
+    s.add(short)  # arrives while the long one is half-way
+    assert run_step(s).prefills == [(short, 5), (long, 3)]
+    step = run_step(s)
+    assert step.decodes == [short] and step.prefills == [(long, 7)]
+    while s.has_unfinished():
+        run_step(s)
+    assert alloc.num_free_blocks == 32
+
+
+def test_arrival_order_finishes_the_running_prompt_first():
+    s, _ = make(num_blocks=32, budget=8, order="arrival")
+    long, short = seq("long", 20, 2), seq("short", 5, 2, first=100)
+    s.add(long)
+    run_step(s)
+    s.add(short)
+    assert run_step(s).prefills == [(long, 8)]
+    assert run_step(s).prefills == [(long, 4), (short, 4)]
+
+
+@pytest.mark.parametrize(("waited_s", "first"), [(0.8, "short"), (2.0, "long")])
+def test_a_prompt_passed_over_long_enough_goes_before_later_shorter_ones(waited_s, first):
+    """At 10 ms a token a 40-token prompt takes 0.4 s; passed over for ~4x that (PROMPT_AGING)
+    it counts as shorter than a fresh 10-token one."""
+    s, _ = make(num_blocks=64, budget=64)
+    s.token_s = 0.01
+    long, short = seq("long", 40, 2), seq("short", 10, 2, first=100)
+    long.arrival = time.monotonic() - waited_s  # 40 - waited / (0.01 * 4): 20 or -10 tokens
+    s.add(long)
+    s.add(short)
+    assert s.schedule().prefills[0][0].request_id == first
+
+
+def test_nobody_is_admitted_past_a_shorter_prompt_that_does_not_fit():
+    """A long reply's blocks (max_tokens) may not fit while a longer prompt's would: it is not
+    overtaken, or prompts that fit would keep coming ahead of it."""
+    s, alloc = make(num_blocks=8, budget=64)
+    running = seq("running", 8, 13)  # 20 KV tokens: 5 blocks
+    s.add(running)
+    run_step(s)
+    short, longer = seq("short", 4, 13, first=100), seq("longer", 8, 1, first=200)  # 4 and 2 blocks
+    s.add(short)
+    s.add(longer)
+    assert s.schedule().prefills == [] and list(s.waiting) == [short, longer]
+    s.finish(running, "abort")
+    assert [q for q, _ in s.schedule().prefills] == [short, longer]
+    for q in (short, longer):
+        s.finish(q, "abort")
+    assert alloc.num_free_blocks == 8
+
+
+def test_an_unknown_prompt_order_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="prompt order 'sjf' is not one of shortest, arrival"):
+        SchedulerConfig(prompt_order="sjf")

@@ -29,15 +29,35 @@ def _report(token_s: float) -> Report:
     return Report(0.0, worker_pb2.WorkerStats(prefill_token_s=token_s))
 
 
-def test_the_rate_is_an_average_of_queued_plus_own_tokens_over_the_duration():
+def test_the_rate_is_tokens_over_busy_time_whatever_order_the_prompts_are_computed_in():
+    """Three prompts sent at once to a worker that computes 1,000 tokens/s, the short ones first
+    (its "shortest" prompt order), then one more after it idled: 1,000 tokens/s throughout. The
+    old measure (tokens queued ahead + its own, over its duration) read 11,000 from the first."""
     p = _worker("prefill")
-    placement.record_prefill(p, queued_tokens=300, tokens=100, seconds=0.4)
+    for _ in range(3):
+        placement.prefill_started(p, 0.0)
+    placement.record_prefill(p, 100, 0.1)
     assert p.prefill_rate == pytest.approx(1000.0)
-    placement.record_prefill(p, queued_tokens=0, tokens=200, seconds=0.1)  # 2000 tok/s
-    assert p.prefill_rate == pytest.approx(1000.0 + placement.RATE_WEIGHT * 1000.0)
-    placement.record_prefill(p, queued_tokens=5, tokens=0, seconds=0.1)  # nothing to learn
-    placement.record_prefill(p, queued_tokens=5, tokens=10, seconds=0.0)
-    assert p.prefill_rate == pytest.approx(1200.0)
+    placement.record_prefill(p, 100, 0.2)
+    placement.record_prefill(p, 1000, 1.2)
+    assert p.prefill_rate == pytest.approx(1000.0)
+    placement.prefill_started(p, 5.0)  # idle since 1.2: its time starts now
+    placement.record_prefill(p, 200, 5.2)
+    assert p.prefill_rate == pytest.approx(1000.0) and p.prefills_running == 0
+    # two ending together (one step): one carries the step's time, the other none
+    placement.prefill_started(p, 6.0)
+    placement.prefill_started(p, 6.0)
+    placement.record_prefill(p, 300, 6.6)
+    placement.record_prefill(p, 300, 6.6)
+    assert 600 < p.prefill_rate < 1400
+    # a failed call teaches nothing, and its time is not counted against the next
+    placement.prefill_started(p, 7.0)
+    placement.prefill_started(p, 7.0)
+    before = p.prefill_rate
+    placement.record_prefill(p, None, 9.0)
+    assert p.prefill_rate == before
+    placement.record_prefill(p, 100, 9.1)
+    assert p.prefill_rate == pytest.approx(1000.0, rel=0.1)  # counting 7.0-9.1: ~600
 
 
 @pytest.mark.parametrize(

@@ -274,7 +274,7 @@ def test_pdserve_up_gives_its_workers_every_engine_option_it_was_given(role):
     options = ["--model", "/models/x", "--dtype", "float32", "--quantization", "int8"]
     options += ["--kv-cache-bytes", "256M", "--block-size", "32", "--no-prefix-caching"]
     options += ["--lazy-kv-cache", "--max-num-seqs", "8", "--max-num-batched-tokens", "96"]
-    options += ["--kv-cache-dtype", "bfloat16"]
+    options += ["--kv-cache-dtype", "bfloat16", "--prompt-order", "arrival"]
     up = build_parser().parse_args(["up", *options])
     worker = build_parser().parse_args([role, *engine_argv(up)])
     assert serve_cli.engine_config(worker) == serve_cli.engine_config(up)

@@ -162,17 +162,20 @@ def test_a_report_ages_and_a_stale_one_is_not_used(channel):
 def test_the_kv_hold_covers_twice_the_wait_expected_at_the_prefill_worker(channel):
     """The decode worker's hold on a prompt's blocks (``kv_timeout_ms``): the timeout beyond
     twice the prefill worker's queue and compute, so a prompt queued longer than the timeout
-    alone is not timed out there; bounded."""
+    alone is not timed out there, and PROMPT_AGING (4) times its own compute, which later and
+    shorter prompts may take ahead of it there; bounded."""
     a = worker(channel, "prefill-a")
     # no report yet: the prompt at KV_HOLD_TOKEN_S a token, not the router's optimistic default
-    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 640 * 0.02)
+    own = 640 * 0.02
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * own + 4 * own)
     a.reported(report(queue_s=40.0, cached=SYSTEM))  # 40 s queued; the system prompt cached
-    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * (40 + 0.048))
+    own = 0.048  # 48 tokens at the reported 1 ms
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * (40 + own) + 4 * own)
     a.reported(report())  # idle
-    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 0.64)
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 6 * 0.64)
     # prompts this gateway sent there that the report missed: counted whole
     a.outstanding_tokens = 5000
-    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 5.64)
+    assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == pytest.approx(30 + 2 * 5.64 + 4 * 0.64)
     a.reported(report(queue_s=1e6))
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 30.0) == MAX_KV_HOLD_S
     assert kv_hold_s(a, chat(1), NOW, STALE_S, 7200.0) == 7200.0  # never below the timeout
