@@ -166,6 +166,15 @@ def prefill_estimate(
     """(estimated seconds until ``w``, a prefill worker or one prefilling locally, has computed
     ``job``'s prompt; the prompt tokens it finds cached). ``default_token_s``: its speed if it
     has measured none (``typical_token_s``)."""
+    queue, own, cached = _prefill_parts(w, job, now, stale_s, default_token_s)
+    return queue + own, cached
+
+
+def _prefill_parts(
+    w: Worker, job: Job, now: float, stale_s: float, default_token_s: float
+) -> tuple[float, float, int]:
+    """``prefill_estimate``'s (seconds queued ahead, seconds of the prompt's own compute, prompt
+    tokens cached)."""
     r = fresh_report(w, now, stale_s)
     token_s = measured_token_s(w, r) or default_token_s
     mine = w.outstanding_tokens if w.role == "prefill" else w.local_prefill_tokens
@@ -176,7 +185,7 @@ def prefill_estimate(
         # since, and the worker looked idle
         queue = max(queue, max(0.0, r.queue_s - (now - r.at)) + w.unreported_tokens * token_s)
     cached = cached_tokens(w, job, r)
-    return queue + (len(job.prompt_ids) - cached) * token_s, cached
+    return queue, (len(job.prompt_ids) - cached) * token_s, cached
 
 
 def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_s: float) -> float:
@@ -191,11 +200,9 @@ def kv_hold_s(prefill: Worker, job: Job, now: float, stale_s: float, kv_timeout_
     long costs nothing unless the KV never comes, one too short throws a prefill away. A worker
     that computes the shortest prompts first (its default) may pass this one over for later,
     shorter ones for up to PROMPT_AGING times its own compute time: that is added."""
-    wait, cached = prefill_estimate(prefill, job, now, stale_s, KV_HOLD_TOKEN_S)
-    token_s = measured_token_s(prefill, fresh_report(prefill, now, stale_s)) or KV_HOLD_TOKEN_S
+    queue, own, _ = _prefill_parts(prefill, job, now, stale_s, KV_HOLD_TOKEN_S)
     # and what later, shorter prompts may take ahead of it ("shortest" prompt order)
-    passed_over = PROMPT_AGING * (len(job.prompt_ids) - cached) * token_s
-    hold = kv_timeout_s + KV_HOLD_MARGIN * wait + passed_over
+    hold = kv_timeout_s + KV_HOLD_MARGIN * (queue + own) + PROMPT_AGING * own
     return min(hold, max(MAX_KV_HOLD_S, kv_timeout_s))
 
 
