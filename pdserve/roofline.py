@@ -79,12 +79,12 @@ class ModelCost:
     lm_head_params: int  # multiplied by every sampled row
     kv_bytes_per_token: int  # K and V of one token, all layers
     attention_flops_per_pair: int  # one query against one key (QK^T and PV), all layers
-    # Steps of more than ``many_rows`` tokens read ``weight_bytes_many`` instead (0: the same at
-    # every row count): a bf16 model's GGUF blocks are read by small steps, their packed bf16
-    # copy by larger ones (kernels/cpu/gemm.py's hybrid). Decided by the step's token count for
-    # the lm_head too (its rows are the sampled ones, fewer in a prefill step: compute bound).
-    many_rows: int = 0
-    weight_bytes_many: int = 0
+    # (rows, extra), rows ascending: steps of more than rows tokens read extra bytes more (none:
+    # the same at every row count). A bf16 model's GGUF blocks are read by small steps, their
+    # copies by larger ones (kernels/cpu/gemm.py's hybrid: past 8 rows, exact Q4_1's past 128).
+    # Decided by the step's token count for the lm_head too (its rows are the sampled ones, fewer
+    # in a prefill step: compute bound).
+    weight_tiers: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(
@@ -92,8 +92,7 @@ class ModelCost:
         cfg: ModelConfig,
         weight_bytes: int,
         kv_itemsize: int,
-        many_rows: int = 0,
-        weight_bytes_many: int = 0,
+        weight_tiers: tuple[tuple[int, int], ...] = (),
     ) -> ModelCost:
         q = cfg.num_heads * cfg.head_dim
         kv = cfg.num_kv_heads * cfg.head_dim
@@ -105,14 +104,12 @@ class ModelCost:
             lm_head_params=cfg.hidden_size * cfg.vocab_size,
             kv_bytes_per_token=2 * cfg.num_layers * kv * kv_itemsize,
             attention_flops_per_pair=4 * cfg.num_layers * q,
-            many_rows=many_rows,
-            weight_bytes_many=weight_bytes_many,
+            weight_tiers=weight_tiers,
         )
 
     def weights_read(self, num_tokens: int) -> int:
         """Bytes of weights a step of ``num_tokens`` tokens reads."""
-        many = self.many_rows and num_tokens > self.many_rows
-        return self.weight_bytes_many if many else self.weight_bytes
+        return self.weight_bytes + sum(e for rows, e in self.weight_tiers if num_tokens > rows)
 
 
 @dataclass(frozen=True)
@@ -324,7 +321,6 @@ def for_engine(engine: LLMEngine, rates: MachineRates | None = None) -> Roofline
     if rates is None:
         rates = measure_engine(engine)
     kv_itemsize = runner.pool.kv_caches[0][0].element_size()
-    rows = runner.weight_rows()
-    many = runner.weight_bytes(many_rows=True) if rows else 0
-    cost = ModelCost.of(engine.model_config, runner.weight_bytes(), kv_itemsize, rows, many)
+    tiers = runner.weight_tiers()
+    cost = ModelCost.of(engine.model_config, runner.weight_bytes(), kv_itemsize, tiers)
     return Roofline(cost, rates)

@@ -26,7 +26,7 @@ from pdserve.model.quantize import (
     quantize_model,
     resolve_quantization,
     weight_bytes,
-    weight_rows,
+    weight_tiers,
 )
 from pdserve.model.weights import load_state_dict
 from pdserve.outputs import TokenLogprobs
@@ -147,15 +147,13 @@ class ModelRunner:
                 seconds,
             )
 
-    def weight_bytes(self, many_rows: bool = False) -> int:
-        """Bytes of the weights a decode step reads (each tensor once, quantized or dense); with
-        ``many_rows``, a step of more than ``weight_rows()`` tokens."""
-        return weight_bytes(self.model, many_rows)
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads (each tensor once, quantized or dense)."""
+        return weight_bytes(self.model)
 
-    def weight_rows(self) -> int:
-        """Most tokens a step may have and read the weights as ``weight_bytes()`` counts them;
-        0: any number (see ``roofline.ModelCost.many_rows``)."""
-        return weight_rows(self.model)
+    def weight_tiers(self) -> tuple[tuple[int, int], ...]:
+        """What larger steps read more (``roofline.ModelCost.weight_tiers``)."""
+        return weight_tiers(self.model)
 
     def slot(self, seq: Sequence, position: int) -> int:
         return (

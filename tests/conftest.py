@@ -18,11 +18,10 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture
-def bf16_integer_rows(monkeypatch) -> int:
-    """``PDSERVE_BF16_INTEGER_ROWS=2`` for the hybrids made within the test: a bf16 model's Q4_1 and
-    Q8_0 weights multiply 1-2 rows of x on quant.c's integer path (opt-in; AVX-512 VNNI)."""
-    monkeypatch.setenv("PDSERVE_BF16_INTEGER_ROWS", "2")
-    return 2
+def bf16_exact_q4_1(monkeypatch) -> None:
+    """``PDSERVE_BF16_EXACT_Q4_1=1`` for the hybrids made within the test: a bf16 model's Q4_1
+    weights multiplied on their exact values (opt-in; kernels/cpu/exact_q4.h)."""
+    monkeypatch.setenv("PDSERVE_BF16_EXACT_Q4_1", "1")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

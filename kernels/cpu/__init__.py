@@ -6,6 +6,7 @@ from pdserve.kernels.cpu.block_copy import gather_kv_blocks, kv_block_writer
 from pdserve.kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
 from pdserve.kernels.cpu.gemm import (
     hybrid_available,
+    hybrid_copy_bytes,
     hybrid_rows,
     linear,
     linear_available,
@@ -32,6 +33,7 @@ __all__ = [
     "gather_blocks",
     "gather_kv_blocks",
     "hybrid_available",
+    "hybrid_copy_bytes",
     "hybrid_rows",
     "kv_block_writer",
     "linear",

@@ -4,7 +4,9 @@
   of k interleaved per 64 outputs, made once per weight: ``_packed_weight``).
 - A Q4_1 or Q8_0 ``QuantizedWeight`` with bf16 x, there too: from its blocks for up to
   ``HYBRID_MAX_ROWS`` rows, from a packed bf16 copy for more, the same bits either way
-  (``hybrid_weight``, ``packed_q4.h``); other quantized weights go to ``quant.linear``.
+  (``hybrid_weight``, ``packed_q4.h``); with ``PDSERVE_BF16_EXACT_Q4_1`` Q4_1 on its exact
+  values (``exact_q4.h``: blocks up to ``EXACT_Q4_1_MAX_ROWS``, the same bits either way too);
+  other quantized weights go to ``quant.linear``.
 - Otherwise at most ``LINEAR_MAX_ROWS[dtype]`` rows of x: each weight row streamed once for all
   rows of x (AVX2/FMA tiles, bf16 widened to fp32); more rows go to torch's F.linear.
 
@@ -94,6 +96,12 @@ class _Packing:
         self.pack_blocks = lib.pdserve_pack_blocks
         self.pack_blocks.argtypes = self.pack.argtypes[:4] + [ctypes.c_int32] * 2
         self.pack_blocks.restype = None
+        self.q4x_many_bytes = lib.pdserve_q4x_many_bytes
+        self.q4x_many_bytes.argtypes = [ctypes.c_int64] * 2
+        self.q4x_many_bytes.restype = ctypes.c_int64
+        self.pack_q4x_many = lib.pdserve_pack_q4x_many
+        self.pack_q4x_many.argtypes = self.pack.argtypes
+        self.pack_q4x_many.restype = None
         self.block_formats = (quant.Q4_1, quant.Q8_0)
         self.hybrid = lib.pdserve_linear_hybrid
         self.hybrid.argtypes = self.linear.argtypes
@@ -130,26 +138,26 @@ def _packed_weight(packing: _Packing, weight: torch.Tensor) -> torch.Tensor:
 
 
 class HybridWeight(ctypes.Structure):
-    """linear.c's HybridWeight: a Q4_1 or Q8_0 weight as ``pdserve_linear_hybrid`` takes it."""
+    """packed_q4.h's HybridWeight: a Q4_1 or Q8_0 weight as ``pdserve_linear_hybrid`` takes it."""
 
     _fields_ = [
         ("packed", ctypes.c_void_p),
         ("qp", ctypes.c_void_p),
         ("qp_max_rows", ctypes.c_int64),
         ("qt", ctypes.c_int64),
-        ("small", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("small_max_rows", ctypes.c_int64),
     ]
 
 
 # Most rows of x for which a Q4_1 or Q8_0 weight is multiplied from its blocks; more go to its
-# packed bf16 copy. Of those, up to PDSERVE_BF16_INTEGER_ROWS (default 0) take quant.c's integer
-# path where it has one (AVX-512 VNNI), the rest pdserve_linear_qp. On a Zen 4 (the default model,
-# 2 threads, the two alternating) the integer path's decode step took 0.68-0.76x the float block
-# kernel's at batch 1, 0.80-0.86x at 2, 0.95-1.0x at 3, 1.02-1.06x at 4 and 1.24x at 8 (passes of
-# 4 rows over the weights where pdserve_linear_qp runs up to 8 in one).
+# packed bf16 copy (compute bound there: for the default model's projections, 2 threads, 12 rows
+# took 0.87x, 16 rows 0.99x, 32 rows 1.32x the packed time).
 HYBRID_MAX_ROWS = 8
+# The same for a Q4_1 weight on its exact values (PDSERVE_BF16_EXACT_Q4_1): its blocks kernel has
+# a third of the instructions and ran quicker than the copy up to 96 rows measured (the default
+# model's 120 projections from memory, 2 threads, a 2-core Zen 4: 8 rows 4.7 against 9.5 ms, 32
+# rows 18.1 against 22.3, 96 rows 53.4 against 55.5; 256 rows 2 % slower).
+EXACT_Q4_1_MAX_ROWS = 128
+QP_Q4_1X = 103  # packed_q4.h's code for Q4_1 in exact_q4.h's layout
 # id(weight) -> (weakref to it, its HybridWeight, the tensors the HybridWeight points into)
 _hybrids: dict[int, tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]]] = {}
 
@@ -165,22 +173,31 @@ def _made_hybrid(weight) -> HybridWeight | None:
 
 
 def hybrid_rows(weight) -> int:
-    """Most rows of x for which ``weight``'s blocks are read: ``HYBRID_MAX_ROWS`` for a weight
-    made a hybrid (a bf16 model's, at load), else 0 (read the same way at every row count)."""
-    return HYBRID_MAX_ROWS if _made_hybrid(weight) is not None else 0
+    """Most rows of x for which ``weight``'s blocks are read: ``HYBRID_MAX_ROWS`` (or
+    ``EXACT_Q4_1_MAX_ROWS``) for a weight made a hybrid (a bf16 model's, at load), else 0 (read
+    the same way at every row count)."""
+    made = _made_hybrid(weight)
+    return made.qp_max_rows if made is not None else 0
+
+
+def hybrid_copy_bytes(weight) -> int:
+    """Bytes of the copy that steps of more than ``hybrid_rows(weight)`` rows read (0 if the
+    weight is not a hybrid)."""
+    entry = _hybrids.get(id(weight))
+    return entry[2][0].nbytes if entry is not None and entry[0]() is weight else 0
 
 
 def hybrid_weight(weight) -> HybridWeight | None:
     """For a Q4_1 or Q8_0 ``QuantizedWeight`` where the CPU multiplies bf16 natively: a packed
     bf16 copy of its dequantized values and its blocks repacked for few rows of x, made on first
     use, dropped with the weight; else None. The bf16 model then reads 4-bit weights in small
-    decode steps and runs prefill at the packed kernel's speed.
+    decode steps and runs prefill at the packed kernel's speed. The blocks' outputs
+    (``pdserve_linear_qp``) are bit for bit the packed copy's (packed_q4.h), so no output depends
+    on the rows a step batches.
 
-    The blocks for few rows: ``pdserve_linear_qp``, whose outputs are bit for bit the packed
-    copy's (packed_q4.h), so no output depends on the rows a step batches; but up to
-    ``PDSERVE_BF16_INTEGER_ROWS`` (opt-in) quant.c's integer path where it has one
-    (``quant.integer_bf16``: AVX-512 VNNI; exact weights, each output rounded once to bf16, so
-    those rows round differently than in larger steps)."""
+    With ``PDSERVE_BF16_EXACT_Q4_1`` (opt-in) a Q4_1 weight is multiplied on its exact values
+    instead (exact_q4.h): its blocks in that kernel's layout for up to ``EXACT_Q4_1_MAX_ROWS``
+    rows, a copy of 128 + q as bf16 with d and m beside it for more, the same bits either way."""
     made = _made_hybrid(weight)
     if made is not None:
         return made
@@ -193,23 +210,22 @@ def hybrid_weight(weight) -> HybridWeight | None:
         return None
     n, k = weight.shape  # K % 32 == 0 and contiguous blocks: QuantizedWeight holds to both
     threads = torch.get_num_threads()
-    dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
-    packed = memory.weights_empty(packing.words(n, k), torch.int32)
-    packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
-    del dense
-    qp = memory.weights_empty(packing.qp_bytes(n, k, weight.qtype), torch.uint8)
-    packing.pack_blocks(weight.data.data_ptr(), n, k, qp.data_ptr(), weight.qtype, threads)
-    desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), HYBRID_MAX_ROWS, weight.qtype)
-    kept = [packed, qp]
-    rows = envs.bf16_integer_rows()
-    integer = quant.integer_bf16(weight) if rows else None
-    if integer is not None:
-        desc.small, v = integer
-        desc.v, desc.small_max_rows = v.data_ptr(), rows
-        kept.append(v)
+    qt, rows = weight.qtype, HYBRID_MAX_ROWS
+    if qt == quant.Q4_1 and envs.bf16_exact_q4_1():
+        qt, rows = QP_Q4_1X, EXACT_Q4_1_MAX_ROWS
+        packed = memory.weights_empty(packing.q4x_many_bytes(n, k), torch.uint8)
+        packing.pack_q4x_many(weight.data.data_ptr(), n, k, packed.data_ptr(), threads)
+    else:
+        dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
+        packed = memory.weights_empty(packing.words(n, k), torch.int32)
+        packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
+        del dense
+    qp = memory.weights_empty(packing.qp_bytes(n, k, qt), torch.uint8)
+    packing.pack_blocks(weight.data.data_ptr(), n, k, qp.data_ptr(), qt, threads)
+    desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), rows, qt)
     key = id(weight)
     ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))
-    _hybrids[key] = (ref, desc, tuple(kept))
+    _hybrids[key] = (ref, desc, (packed, qp))
     return desc
 
 

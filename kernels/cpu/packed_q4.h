@@ -30,6 +30,9 @@
  * more per 32 weights, which a 1-row step, bound by its instructions and not by memory on a
  * Zen 5, paid: the 1-row kernel ran ~20 % slower from cache.)
  *
+ * With PDSERVE_BF16_EXACT_Q4_1 (opt-in) Q4_1 is multiplied on its exact values instead
+ * (exact_q4.h: qt QP_Q4_1X, its own layouts), the same bits at every row count too.
+ *
  * Q8_0 (the default GGUF's tied embedding and lm_head) the same way, 34 bytes per 32 weights:
  * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_blocks);
  * q d is exact in fp32 too.
@@ -39,6 +42,7 @@
 #define Q8GB 544         /* Q8_0: d, then 16 pairs of 32 int8 (outputs 0-7's pair, 8-15's) */
 #define QP_Q4_1 3        /* GGML's type ids, as kernels/quantized.py */
 #define QP_Q8_0 8
+#define QP_Q4_1X 103     /* Q4_1 in exact_q4.h's layout, multiplied on its exact values */
 #define Q4MR 8           /* rows of x per pass over the weights */
 #define Q4NG 4           /* groups side by side, at most */
 #ifndef QP_AHEAD
@@ -49,12 +53,18 @@ int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
     return (N + Q4G - 1) / Q4G * (K / 32) * (qt == QP_Q8_0 ? Q8GB : Q4GB);
 }
 
+#include "exact_q4.h" /* QP_Q4_1X */
+
 /* GGUF blocks of format qt [N, K/32] into the layouts above (Q4_1: fp16 d, fp16 m, 16 bytes,
  * value j low nibble, value j + 16 high; Q8_0: fp16 d, 32 int8). For Q8_0, after the 16 d, each
  * pair p has 32 bytes: byte i < 16 = q[16 g + i / 2][2 p + i % 2], byte 16 + i = q[16 g + 8 +
  * i / 2][2 p + i % 2]. Outputs past N get d = m = 0. K must be a multiple of 32. */
 void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out, int32_t qt,
                          int32_t num_threads) {
+    if (qt == QP_Q4_1X) {
+        pdserve_pack_q4x(blocks, N, K, out, num_threads);
+        return;
+    }
     const int q8 = qt == QP_Q8_0;
     const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G, gb = q8 ? Q8GB : Q4GB;
     const int64_t block_bytes = q8 ? 34 : 20, head = q8 ? 32 : 64;
@@ -166,73 +176,72 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
     }
 }
 
-/* One instance per (groups side by side, rows): both constant, so the chains stay in registers. */
-#define QP_CASE(QT, NG, MR) case NG * 16 + MR: qp_tile(xm, K, w, QT, g, NG, MR, bias, ym, N); break;
-#define QP_CASES(QT)                                                                               \
+/* TILE with NG and MR constant for each (groups side by side, rows) a pass takes: one instance
+ * each, so the chains stay in registers. */
+#define QP_CASE(TILE, ng_, mr_) case ng_ * 16 + mr_: { enum { NG = ng_, MR = mr_ }; TILE; } break;
+#define QP_CASES(TILE)                                                                             \
     switch (ng * 16 + mr) {                                                                        \
-        QP_CASE(QT, 4, 1) QP_CASE(QT, 4, 2) QP_CASE(QT, 3, 1) QP_CASE(QT, 3, 2)                    \
-        QP_CASE(QT, 2, 1) QP_CASE(QT, 2, 2) QP_CASE(QT, 2, 3) QP_CASE(QT, 2, 4)                    \
-        QP_CASE(QT, 1, 1) QP_CASE(QT, 1, 2) QP_CASE(QT, 1, 3) QP_CASE(QT, 1, 4)                    \
-        QP_CASE(QT, 1, 5) QP_CASE(QT, 1, 6) QP_CASE(QT, 1, 7) QP_CASE(QT, 1, 8)                    \
+        QP_CASE(TILE, 4, 1) QP_CASE(TILE, 4, 2) QP_CASE(TILE, 3, 1) QP_CASE(TILE, 3, 2)            \
+        QP_CASE(TILE, 2, 1) QP_CASE(TILE, 2, 2) QP_CASE(TILE, 2, 3) QP_CASE(TILE, 2, 4)            \
+        QP_CASE(TILE, 1, 1) QP_CASE(TILE, 1, 2) QP_CASE(TILE, 1, 3) QP_CASE(TILE, 1, 4)            \
+        QP_CASE(TILE, 1, 5) QP_CASE(TILE, 1, 6) QP_CASE(TILE, 1, 7) QP_CASE(TILE, 1, 8)            \
     }
 
-/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_blocks (qt 3: Q4_1, 8: Q8_0);
- * x, y, bias bf16. */
+/* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_blocks (qt 3: Q4_1, 8: Q8_0, 103:
+ * Q4_1 exact); x, y, bias bf16. */
 void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     if (M <= 0 || N <= 0) return;
-    const int64_t groups = (N + Q4G - 1) / Q4G;
+    const int64_t groups = (N + Q4G - 1) / Q4G, kbs = K / 32;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
     if (num_threads > groups) num_threads = (int32_t)groups;
-    /* each thread an equal run of groups, walked ng at a time (4 for 1-2 rows, 2 for 3-4) */
+    float xs[qt == QP_Q4_1X ? M * kbs : 1]; /* exact Q4_1: the block sums of x (exact_q4.h) */
+    if (qt == QP_Q4_1X)
+        for (int64_t r = 0; r < M; r++) q4x_sums(x + r * K, K, xs + r * kbs);
+    /* Each thread an equal run of groups, walked ng at a time (4 for 1-2 rows, 2 for 3-4); more
+     * than Q4MR rows in passes over each group while it is in L1. */
+    const int64_t passes = (M + Q4MR - 1) / Q4MR, first = pass_rows(0, M, Q4MR, 0);
+    const int most = passes > 1 ? 1 : first <= 2 ? 4 : first <= 4 ? 2 : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int64_t t = 0; t < num_threads; t++) {
         const int64_t g1 = groups * (t + 1) / num_threads;
-        for (int64_t m = 0; m < M; m += Q4MR) {
-            const int mr = M - m < Q4MR ? (int)(M - m) : Q4MR;
-            const int most = mr <= 2 ? 4 : mr <= 4 ? 2 : 1;
-            const uint16_t *xm = x + m * K;
-            uint16_t *ym = y + m * N;
-            for (int64_t g = groups * t / num_threads; g < g1;) {
-                const int ng = g1 - g < most ? (int)(g1 - g) : most;
+        for (int64_t g = groups * t / num_threads; g < g1;) {
+            const int ng = g1 - g < most ? (int)(g1 - g) : most;
+            for (int64_t j = 0, m = 0, mr; m < M; j++, m += mr) {
+                mr = pass_rows(0, M, Q4MR, j);
+                const uint16_t *xm = x + m * K;
+                uint16_t *ym = y + m * N;
                 if (qt == QP_Q8_0)
-                    QP_CASES(QP_Q8_0)
+                    QP_CASES(qp_tile(xm, K, w, QP_Q8_0, g, NG, MR, bias, ym, N))
+                else if (qt == QP_Q4_1)
+                    QP_CASES(qp_tile(xm, K, w, QP_Q4_1, g, NG, MR, bias, ym, N))
                 else
-                    QP_CASES(QP_Q4_1)
-                g += ng;
+                    QP_CASES(q4x_tile(xm, xs + m * kbs, K, w, g, NG, MR, bias, ym, N))
             }
+            g += ng;
         }
     }
 }
 #undef QP_CASES
 #undef QP_CASE
 
-/* quant.c's pdserve_qlinear_v_bf16: the integer path for few rows of bf16 x; 0 when it ran. */
-typedef int (*hybrid_small_fn)(const uint16_t *x, const uint8_t *v, int32_t qt,
-                               const uint16_t *bias, uint16_t *y, int64_t M, int64_t N, int64_t K,
-                               int32_t num_threads);
-
 /* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight: up to
- * small_max_rows rows of x through small on v where given (quant.c's integer path, in another
- * library), up to qp_max_rows through pdserve_linear_qp on qp, more through the packed bf16
- * copy. */
+ * qp_max_rows rows of x through pdserve_linear_qp on qp, more through the copy for many rows. */
 typedef struct {
-    const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
-    const uint8_t *qp;      /* pdserve_pack_blocks of the same weight, or NULL */
-    int64_t qp_max_rows;    /* qp for at most this many rows of x, packed for more */
-    int64_t qt;             /* the blocks' format: QP_Q4_1 or QP_Q8_0 */
-    hybrid_small_fn small;  /* or NULL */
-    const uint8_t *v;       /* the blocks in quant_int.h's layout, for small */
-    int64_t small_max_rows; /* small for at most this many rows of x */
+    const void *packed;  /* for many rows: pdserve_pack_bf16's of the dequantized weight rounded
+                            to bf16, or (QP_Q4_1X) pdserve_pack_q4x_many's */
+    const uint8_t *qp;   /* pdserve_pack_blocks of the same weight */
+    int64_t qp_max_rows; /* qp for at most this many rows of x, packed for more */
+    int64_t qt;          /* the blocks' format: QP_Q4_1, QP_Q8_0 or QP_Q4_1X */
 } HybridWeight;
 
 void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     const HybridWeight *h = (const HybridWeight *)weight;
-    if (h->small && M <= h->small_max_rows &&
-        !h->small(x, h->v, (int32_t)h->qt, bias, y, M, N, K, num_threads))
-        return;
-    if (h->qp && M <= h->qp_max_rows)
+    if (h->qt == QP_Q4_1X && M > h->qp_max_rows &&
+        !pdserve_linear_q4x_many(x, h->packed, bias, y, M, N, K, num_threads))
+        return; /* else (no memory for its block sums) the few rows' kernel: the same bits */
+    if (M <= h->qp_max_rows || h->qt == QP_Q4_1X)
         pdserve_linear_qp(x, h->qp, (int32_t)h->qt, bias, y, M, N, K, num_threads);
     else
         pdserve_linear_packed(x, h->packed, bias, y, M, N, K, num_threads);

@@ -70,9 +70,8 @@ def load(source: Path, isa: str) -> ctypes.CDLL:
     lib.pdserve_qv_bytes.restype = _I64
     lib.pdserve_qv_pack.argtypes = [_P, _I64, _I64, _I32, _P, _I32]
     lib.pdserve_qv_pack.restype = ctypes.c_int
-    for fn in (lib.pdserve_qlinear_v, lib.pdserve_qlinear_v_bf16):
-        fn.argtypes = [_P, _P, _I32, _P, _P, _I64, _I64, _I64, _I32]
-        fn.restype = ctypes.c_int
+    lib.pdserve_qlinear_v.argtypes = [_P, _P, _I32, _P, _P, _I64, _I64, _I64, _I32]
+    lib.pdserve_qlinear_v.restype = ctypes.c_int
     return lib
 
 
@@ -220,20 +219,6 @@ def _integer_width(lib: ctypes.CDLL) -> int:
     """The build's integer path (512: AVX-512 VNNI, 256: AVX2), 0 without one or when
     ``PDSERVE_QUANT_INTEGER=0``."""
     return int(lib.pdserve_qv_available()) if envs.quant_integer() else 0
-
-
-def integer_bf16(w: QuantizedWeight) -> tuple[int, torch.Tensor] | None:
-    """Where the AVX-512 VNNI integer path takes few rows of a bf16 model's x on ``w``: the
-    address of ``pdserve_qlinear_v_bf16`` (x widened exactly, each output rounded once to bf16)
-    and ``w``'s ``integer_copy``, for the hybrid's fewest rows (``gemm.hybrid_weight``); else
-    None."""
-    lib = library()
-    if _integer_width(lib) != 512:
-        return None
-    v = integer_copy(w, lib)
-    if v is None:
-        return None
-    return ctypes.cast(lib.pdserve_qlinear_v_bf16, ctypes.c_void_p).value, v
 
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:

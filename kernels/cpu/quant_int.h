@@ -372,25 +372,3 @@ int pdserve_qlinear_v(const float *x, const uint8_t *v, int32_t qt, const float 
                       int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     return qv_linear(x, v, qt, bias, y, NULL, M, N, K, num_threads);
 }
-
-/*
- * The same for a bf16 model (x, bias and y bf16): x and bias widened to fp32 (exactly), each
- * output rounded once to bf16 (nearest even). What a bf16 model's Q4_1 and Q8_0 weights take for
- * few rows of x in place of the float block kernel (packed_q4.h's HybridWeight.small): the same
- * 20 or 34 bytes per 32 weights in a third of the instructions, with exact weights where the
- * block kernel and the packed copy multiply their bf16 rounding: the rows it takes round
- * differently than those of steps it does not take, as an fp32 model's do on this path.
- */
-int pdserve_qlinear_v_bf16(const uint16_t *x, const uint8_t *v, int32_t qt, const uint16_t *bias,
-                           uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
-    if (pdserve_qv_bytes(N, K, qt) < 0 || M > QV_MAX_ROWS) return -2; /* -1 in a build without */
-    if (M <= 0) return 0;
-    float *xf = malloc((size_t)(M * K + (bias ? N : 0)) * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    float *bf = bias ? xf + M * K : NULL;
-    for (int64_t n = 0; bf && n < N; n++) bf[n] = bf16_to_f32(bias[n]);
-    const int rc = qv_linear(xf, v, qt, bf, NULL, y, M, N, K, num_threads);
-    free(xf);
-    return rc;
-}

@@ -120,21 +120,31 @@ def _block_rows(model: LlamaForCausalLM, weight) -> int:
     return rows(weight) if rows is not None else 0
 
 
-def weight_rows(model: LlamaForCausalLM) -> int:
-    """Most rows of x for which ``weight_bytes`` holds (0: any)."""
-    rows = [_block_rows(model, m.weight) for m in model.modules() if _quantized(m)]
-    return min((r for r in rows if r), default=0)
+def weight_tiers(model: LlamaForCausalLM) -> tuple[tuple[int, int], ...]:
+    """``(rows, extra)`` pairs, rows ascending: a step of more than ``rows`` tokens reads
+    ``extra`` bytes more than ``weight_bytes`` counts, where a bf16 model's blocks give way to
+    their copies (the CPU backend's ``hybrid_copy_bytes``: past 8 rows, exact Q4_1's past 128)."""
+    extra: dict[int, int] = {}
+    seen: set[int] = set()
+    for m in model.modules():
+        if not _quantized(m) or id(m.weight) in seen:
+            continue
+        seen.add(id(m.weight))
+        rows = _block_rows(model, m.weight)
+        if rows:
+            extra[rows] = (
+                extra.get(rows, 0) + model.ops.hybrid_copy_bytes(m.weight) - m.weight.nbytes
+            )
+    return tuple(sorted(extra.items()))
 
 
 def _quantized(module) -> bool:
     return isinstance(getattr(module, "weight", None), kernels.QuantizedWeight)
 
 
-def weight_bytes(model: LlamaForCausalLM, many_rows: bool = False) -> int:
+def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of the weights a step reads: every parameter and quantized weight once, less an
-    untied embedding table (only its looked-up rows are read). With ``many_rows``: a step of
-    more rows than ``weight_rows`` says, where a bf16 model's blocks give way to their packed
-    bf16 copy (2 bytes a weight)."""
+    untied embedding table (only its looked-up rows are read); larger steps: ``weight_tiers``."""
     seen: set[int] = set()
     total = 0
     skip = set() if model.config.tie_word_embeddings else {id(model.embed_tokens.weight)}
@@ -145,8 +155,6 @@ def weight_bytes(model: LlamaForCausalLM, many_rows: bool = False) -> int:
         seen.add(id(t))
         if not isinstance(t, kernels.QuantizedWeight):
             total += t.numel() * t.element_size()
-        elif many_rows and _block_rows(model, t):
-            total += 2 * t.shape[0] * t.shape[1]
         else:
             total += t.nbytes
     return total

@@ -252,22 +252,44 @@ def test_auto_quantization_takes_the_gguf_blocks_on_the_cpu(tmp_path):
     assert resolve_quantization("int8", bare, torch.bfloat16, "cpu") == "int8"  # asked for
 
 
-# The integer path's few rows against the dense bf16 model, alone (measured 2026-11-30 on a Zen 4:
-# see the test's output): |chosen-token logprob difference| in nats.
-BF16_INTEGER_MAX_LOGPROB_DIFF = 0.25
+# A bf16 model on the GGUF's exact Q4_1 values (PDSERVE_BF16_EXACT_Q4_1) against the fp32 model of
+# the same blocks dequantized (the reference of issue 14), the suite's 8 prompts x 8 tokens. Measured on a Zen 4 (2026-11-30): 7
+# continuations identical, one parting at its second token, a near tie (the reference's two best
+# 0.054 nats apart); the dense bf16 model (the folder's weights: the blocks rounded to bf16)
+# parts on 2 of 8 there. So a continuation may part where the reference's two best tokens are
+# within TIE_BOUND and the bf16 run took the other; before that, chosen-token logprobs within
+# LOGPROB_BOUND (a wrong weight or kernel is off by nats).
+TIE_BOUND = 0.1
+LOGPROB_BOUND = 0.25
+
+
+def _parts_only_at_near_ties(outs, ref) -> tuple[int, list[float]]:
+    """How many of ``outs`` part from ``ref``, each at a near tie; logprob diffs before that."""
+    parted, diffs = 0, []
+    for a, b in zip(ref, outs, strict=True):
+        pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
+        same = next((i for i, (x, y) in pairs if x != y), None)
+        if same is not None:
+            parted += 1
+            top = dict(a.logprobs[same].top)
+            assert b.token_ids[same] in top, (a.text, b.text)
+            assert a.logprobs[same].logprob - top[b.token_ids[same]] < TIE_BOUND, (a.text, b.text)
+        before = zip(a.logprobs[:same], b.logprobs[:same], strict=True)
+        diffs += [abs(x.logprob - y.logprob) for x, y in before]
+    return parted, diffs
 
 
 @pytest.mark.skipif(not gemm.hybrid_available(), reason="the hybrid needs AVX512-BF16")
-@pytest.mark.parametrize("integer", [False, True], ids=["float_blocks", "integer_rows"])
-def test_bf16_auto_runs_the_gguf_blocks_and_computes_the_dense_bf16_model(request, integer):
-    """``auto`` on a bf16 model takes the GGUF's Q4_1 projections and Q8_0 lm_head (blocks read for
-    few rows, the packed bf16 copy for more) and gives the dense bf16 model's greedy tokens and
-    logprobs bit for bit among 16 (the copy); alone (the blocks), bit for bit too on the float
-    block kernel (the default), and on the integer path (``PDSERVE_BF16_INTEGER_ROWS``, opt-in
-    with AVX-512 VNNI: exact weights, outputs rounded once) the same greedy tokens with logprobs
-    within a bound. The tied embedding, looked up in the Q8_0 blocks, gives the dense rows too."""
-    if integer:
-        request.getfixturevalue("bf16_integer_rows")
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact_q4_1"])
+def test_bf16_auto_runs_the_gguf_blocks_and_batches_change_nothing(request, exact):
+    """``auto`` on a bf16 model takes the GGUF's Q4_1 projections and Q8_0 lm_head, their blocks
+    read by small steps and copies by large ones, and a prompt's tokens and logprobs are the same
+    bits alone and among 16. By default they multiply the blocks' bf16 rounding: the dense bf16
+    model's outputs bit for bit. With ``PDSERVE_BF16_EXACT_Q4_1`` Q4_1 is multiplied on its exact
+    values: against the fp32 model of the same blocks dequantized, the greedy tokens part only at
+    near ties. The tied embedding, looked up in the Q8_0 blocks, gives the dense rows too."""
+    if exact:
+        request.getfixturevalue("bf16_exact_q4_1")
     llm = make_llm("auto", dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.quantization == "gguf"
@@ -277,35 +299,37 @@ def test_bf16_auto_runs_the_gguf_blocks_and_computes_the_dense_bf16_model(reques
     assert len(quantized) == 4 * len(model.layers) + 1  # every layer's and the lm_head
     assert {w.name for w in quantized} == {"q4_1", "q8_0"}
     assert all(gemm.hybrid_weight(w) is not None for w in quantized)
-    if integer and not all(gemm.hybrid_weight(w).small for w in quantized):
-        pytest.skip("no AVX-512 VNNI: few rows take the float block kernel")
-    assert not any(gemm.hybrid_weight(w).small for w in quantized) or integer
-    # what a step reads: the blocks up to HYBRID_MAX_ROWS tokens, the packed bf16 copy beyond
-    runner = llm.engine.runner
-    assert runner.weight_rows() == gemm.HYBRID_MAX_ROWS
-    blocks, copies = (
-        sum(w.nbytes for w in quantized),
-        sum(2 * w.shape[0] * w.shape[1] for w in quantized),
+    # what a step reads: the blocks up to 8 tokens (exact Q4_1: 128), their copies beyond
+    extra = {
+        name: sum(gemm.hybrid_copy_bytes(w) - w.nbytes for w in quantized if w.name == name)
+        for name in ("q8_0", "q4_1")
+    }
+    tiers = (
+        ((gemm.HYBRID_MAX_ROWS, extra["q8_0"]), (gemm.EXACT_Q4_1_MAX_ROWS, extra["q4_1"]))
+        if exact
+        else ((gemm.HYBRID_MAX_ROWS, extra["q8_0"] + extra["q4_1"]),)
     )
-    assert runner.weight_bytes(many_rows=True) - runner.weight_bytes() == copies - blocks
-    prompts = [llm.chat_prompt(q) for q in QUESTIONS] * 2
-    assert len(prompts) > gemm.HYBRID_MAX_ROWS
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
-    want = make_llm("none", dtype="bfloat16").generate(prompts, params)
-    alone = [llm.generate([p], params)[0] for p in prompts[: len(QUESTIONS)]]
-    for outs in (llm.generate(prompts, params), [] if integer else alone):
-        for got, ref in zip(outs, want, strict=False):
+    assert llm.engine.runner.weight_tiers() == tiers
+    prompts = [llm.chat_prompt(q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    batch = llm.generate(prompts * 2, params)
+    assert len(batch) > gemm.HYBRID_MAX_ROWS
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    for got, among in zip(alone + batch[len(prompts) :], batch + batch, strict=False):
+        assert got.token_ids == among.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in among.logprobs]
+    if not exact:
+        dense = make_llm("none", dtype="bfloat16").generate(prompts * 2, params)
+        for got, ref in zip(batch, dense, strict=True):
             assert got.token_ids == ref.token_ids
             assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in ref.logprobs]
-    if integer:
-        diffs = []
-        for got, ref in zip(alone, want, strict=False):
-            assert got.token_ids == ref.token_ids
-            diffs += [
-                abs(a.logprob - b.logprob) for a, b in zip(got.logprobs, ref.logprobs, strict=True)
-            ]
-        print(
-            f"integer path alone vs dense bf16: |logprob diff| max {max(diffs):.4f}, "
-            f"mean {sum(diffs) / len(diffs):.4f} nats over {len(diffs)} tokens"
-        )
-        assert max(diffs) < BF16_INTEGER_MAX_LOGPROB_DIFF
+        return
+    ref = dequantized_in_place(make_llm("gguf")).generate(prompts, params)
+    parted, diffs = _parts_only_at_near_ties(batch[: len(prompts)], ref)
+    print(
+        f"exact Q4_1 vs fp32 dequantized: {parted} of {len(prompts)} parted at a near tie; "
+        f"|logprob diff| max {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f} nats over "
+        f"{len(diffs)} tokens"
+    )
+    assert parted <= len(prompts) // 4
+    assert max(diffs) < LOGPROB_BOUND

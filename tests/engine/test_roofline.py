@@ -33,19 +33,19 @@ def test_a_decode_step_is_bound_by_its_bytes():
     assert r.fraction(work, 2.8e-3) == pytest.approx(0.5)
 
 
-def test_steps_of_more_rows_than_the_blocks_serve_read_the_packed_copy():
-    """A bf16 model's GGUF blocks are read by steps of up to ``many_rows`` tokens, their packed
-    bf16 copy by larger ones: the roofline counts what each step reads."""
-    cost = ModelCost(
-        1_000_000, 100_000, 50_000, 1_000, 400, many_rows=8, weight_bytes_many=3_000_000
-    )
+def test_steps_of_more_rows_than_the_blocks_serve_read_the_copies():
+    """A bf16 model's GGUF blocks are read by steps of up to a format's rows (8 Q8_0, 128 Q4_1),
+    their copies by larger ones: the roofline counts what each step reads."""
+    tiers = ((8, 500_000), (128, 1_500_000))
+    cost = ModelCost(1_000_000, 100_000, 50_000, 1_000, 400, weight_tiers=tiers)
     r = Roofline(cost, RATES)
-    for tokens, weights in ((1, 1_000_000), (8, 1_000_000), (9, 3_000_000), (512, 3_000_000)):
+    cases = ((1, 1_000_000), (8, 1_000_000), (9, 1_500_000), (128, 1_500_000), (129, 3_000_000))
+    for tokens, weights in cases:
         work = StepWork(tokens, tokens, num_kv_tokens_read=100, num_attention_pairs=100)
         assert r.bytes(work) == weights + 100 * 1_000
         assert r.kv_bytes(work) == 100 * 1_000
     work = StepWork(9, 9, 0, 0)
-    assert Roofline(COST, RATES).bytes(work) == 1_000_000  # many_rows 0: the same at any count
+    assert Roofline(COST, RATES).bytes(work) == 1_000_000  # no tiers: the same at any count
 
 
 def test_a_prompt_chunk_is_bound_by_its_flops():
