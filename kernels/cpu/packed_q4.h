@@ -195,7 +195,7 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
     const int64_t groups = (N + Q4G - 1) / Q4G, kbs = K / 32;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
     if (num_threads > groups) num_threads = (int32_t)groups;
-    float xs[qt == QP_Q4_1X ? M * kbs : 1]; /* exact Q4_1: the block sums of x (exact_q4.h) */
+    float xs[qt == QP_Q4_1X ? M * kbs : 1]; /* exact Q4_1: x's block sums (M <= qp_max_rows) */
     if (qt == QP_Q4_1X)
         for (int64_t r = 0; r < M; r++) q4x_sums(x + r * K, K, xs + r * kbs);
     /* Each thread an equal run of groups, walked ng at a time (4 for 1-2 rows, 2 for 3-4); more
@@ -240,8 +240,13 @@ void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t
     const HybridWeight *h = (const HybridWeight *)weight;
     if (h->qt == QP_Q4_1X && M > h->qp_max_rows &&
         !pdserve_linear_q4x_many(x, h->packed, bias, y, M, N, K, num_threads))
-        return; /* else (no memory for its block sums) the few rows' kernel: the same bits */
-    if (M <= h->qp_max_rows || h->qt == QP_Q4_1X)
+        return;
+    if (h->qt == QP_Q4_1X) { /* few rows, or (no memory for the block sums) their kernel on */
+        for (int64_t m = 0; m < M; m += h->qp_max_rows) { /* runs of them: the same bits */
+            const int64_t rows = M - m < h->qp_max_rows ? M - m : h->qp_max_rows;
+            pdserve_linear_qp(x + m * K, h->qp, QP_Q4_1X, bias, y + m * N, rows, N, K, num_threads);
+        }
+    } else if (M <= h->qp_max_rows)
         pdserve_linear_qp(x, h->qp, (int32_t)h->qt, bias, y, M, N, K, num_threads);
     else
         pdserve_linear_packed(x, h->packed, bias, y, M, N, K, num_threads);
