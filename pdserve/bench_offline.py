@@ -155,6 +155,7 @@ def machine_description(device: str = "cpu") -> str:
 # The kernel entry points a step's time is split by (the backend's functions, then the rest).
 PROFILED_KERNELS = (
     "linear",
+    "linear_rows",  # the projections' entry point on the CPU (counted as linear)
     "paged_decode_attention",
     "prefill_attention",
     "rope_write_kv",
@@ -252,7 +253,11 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> st
         loop_step = (time.perf_counter() - start) / steps
     try:
         for owner, name, fn in patched:
-            label = {"compute_logits": "lm_head + logits", "sample": "sampling"}.get(name, name)
+            label = {
+                "compute_logits": "lm_head + logits",
+                "sample": "sampling",
+                "linear_rows": "linear",
+            }.get(name, name)
             setattr(owner, name, timed(label, fn))
         with model.module_path():
             start = time.perf_counter()

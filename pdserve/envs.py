@@ -66,20 +66,6 @@ def quant_integer() -> bool:
     return os.environ.get("PDSERVE_QUANT_INTEGER", "1") != "0"
 
 
-def bf16_exact_q4_1() -> bool:
-    """Whether a bf16 model's Q4_1 weights are multiplied on their exact values (opt-in,
-    PDSERVE_BF16_EXACT_Q4_1=1; default 0: on their bf16 rounding, as the dense bf16 model).
-    Either way no output depends on the rows a step batches (kernels/cpu/exact_q4.h). Measured
-    on a 2-core Zen 4: one stream's decode step 0.73x, its served TPOT 0.80-0.88x; prefill 0.89x,
-    TTFT 1.15x, throughput under load 0.93-0.97x."""
-    value = os.environ.get("PDSERVE_BF16_EXACT_Q4_1") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"PDSERVE_BF16_EXACT_Q4_1={value!r}; use 1 (exact values) or 0 (the default)"
-        )
-    return value == "1"
-
-
 def otlp_endpoint() -> str | None:
     """The standard OpenTelemetry exporter endpoint (OTEL_EXPORTER_OTLP_ENDPOINT); None: tracing off."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

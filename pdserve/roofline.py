@@ -79,12 +79,13 @@ class ModelCost:
     lm_head_params: int  # multiplied by every sampled row
     kv_bytes_per_token: int  # K and V of one token, all layers
     attention_flops_per_pair: int  # one query against one key (QK^T and PV), all layers
-    # (rows, extra), rows ascending: steps of more than rows tokens read extra bytes more (none:
-    # the same at every row count). A bf16 model's GGUF blocks are read by small steps, their
-    # copies by larger ones (kernels/cpu/gemm.py's hybrid: past 8 rows, exact Q4_1's past 128).
-    # Decided by the step's token count for the lm_head too (its rows are the sampled ones, fewer
-    # in a prefill step: compute bound).
-    weight_tiers: tuple[tuple[int, int], ...] = ()
+    # (rows, extra, prompt_only): steps of more than rows tokens (prompt_only: prompt tokens)
+    # read extra bytes more (none: the same at every row count). A bf16 model's GGUF blocks are
+    # read by small steps, their packed bf16 copies by larger ones (kernels/cpu/gemm.py's hybrid:
+    # past 8 rows), but a Q4_1 weight's blocks by a generated token's rows at any count
+    # (prompt_only). Decided by the step's token count for the lm_head too (its rows are the
+    # sampled ones, fewer in a prefill step: compute bound).
+    weight_tiers: tuple[tuple[int, int, bool], ...] = ()
 
     @classmethod
     def of(
@@ -92,7 +93,7 @@ class ModelCost:
         cfg: ModelConfig,
         weight_bytes: int,
         kv_itemsize: int,
-        weight_tiers: tuple[tuple[int, int], ...] = (),
+        weight_tiers: tuple[tuple[int, int, bool], ...] = (),
     ) -> ModelCost:
         q = cfg.num_heads * cfg.head_dim
         kv = cfg.num_kv_heads * cfg.head_dim
@@ -107,19 +108,27 @@ class ModelCost:
             weight_tiers=weight_tiers,
         )
 
-    def weights_read(self, num_tokens: int) -> int:
-        """Bytes of weights a step of ``num_tokens`` tokens reads."""
-        return self.weight_bytes + sum(e for rows, e in self.weight_tiers if num_tokens > rows)
+    def weights_read(self, num_tokens: int, num_prompt_tokens: int | None = None) -> int:
+        """Bytes of weights a step of ``num_tokens`` tokens (``num_prompt_tokens`` of them a
+        prompt's; None: all) reads."""
+        prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        return self.weight_bytes + sum(
+            extra
+            for rows, extra, prompt_only in self.weight_tiers
+            if (prompt if prompt_only else num_tokens) > rows
+        )
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """One step's batch, counted: tokens run, rows sampled, KV tokens read, attention pairs."""
+    """One step's batch, counted: tokens run, rows sampled, KV tokens read, attention pairs, and
+    of the tokens those of prompts (None: not counted, all)."""
 
     num_tokens: int
     num_sampled: int
     num_kv_tokens_read: int
     num_attention_pairs: int
+    num_prompt_tokens: int | None = None
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> StepWork:
@@ -135,12 +144,13 @@ class StepWork:
             sampled += start + n == seq.num_prompt_tokens
             kv += start + n
             pairs += n * start + n * (n + 1) // 2
+        prompt = tokens
         for seq in batch.decodes:
             tokens += 1
             sampled += 1
             kv += seq.num_tokens
             pairs += seq.num_tokens
-        return cls(tokens, sampled, kv, pairs)
+        return cls(tokens, sampled, kv, pairs, prompt)
 
 
 class Roofline:
@@ -151,7 +161,7 @@ class Roofline:
         self.rates = rates
 
     def bytes(self, work: StepWork) -> int:
-        return self.cost.weights_read(work.num_tokens) + self.kv_bytes(work)
+        return self.cost.weights_read(work.num_tokens, work.num_prompt_tokens) + self.kv_bytes(work)
 
     def kv_bytes(self, work: StepWork) -> int:
         return work.num_kv_tokens_read * self.cost.kv_bytes_per_token

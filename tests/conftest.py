@@ -17,13 +17,6 @@ def default_model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL, progress=False)
 
 
-@pytest.fixture
-def bf16_exact_q4_1(monkeypatch) -> None:
-    """``PDSERVE_BF16_EXACT_Q4_1=1`` for the hybrids made within the test: a bf16 model's Q4_1
-    weights multiplied on their exact values (opt-in; kernels/cpu/exact_q4.h)."""
-    monkeypatch.setenv("PDSERVE_BF16_EXACT_Q4_1", "1")
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``PDSERVE_FAILURES_AT_ONCE=1`` (scripts/gpu-check sets it), each failure's report is
     written to stderr when it happens, not only in the summary at the end: a run cut short (a

@@ -6,10 +6,10 @@ from pdserve.kernels.cpu.block_copy import gather_kv_blocks, kv_block_writer
 from pdserve.kernels.cpu.fused import argmax, rms_norm, rope_write_kv, silu_mul
 from pdserve.kernels.cpu.gemm import (
     hybrid_available,
-    hybrid_copy_bytes,
-    hybrid_rows,
+    hybrid_tier,
     linear,
     linear_available,
+    linear_rows,
     prepack_linear,
 )
 from pdserve.kernels.cpu.layer_loop import compile_layer_loop
@@ -33,11 +33,11 @@ __all__ = [
     "gather_blocks",
     "gather_kv_blocks",
     "hybrid_available",
-    "hybrid_copy_bytes",
-    "hybrid_rows",
+    "hybrid_tier",
     "kv_block_writer",
     "linear",
     "linear_available",
+    "linear_rows",
     "native_available",
     "paged_decode_attention",
     "prefill_attention",

@@ -4,9 +4,9 @@
   of k interleaved per 64 outputs, made once per weight: ``_packed_weight``).
 - A Q4_1 or Q8_0 ``QuantizedWeight`` with bf16 x, there too: from its blocks for up to
   ``HYBRID_MAX_ROWS`` rows, from a packed bf16 copy for more, the same bits either way
-  (``hybrid_weight``, ``packed_q4.h``); with ``PDSERVE_BF16_EXACT_Q4_1`` Q4_1 on its exact
-  values (``exact_q4.h``: blocks up to ``EXACT_Q4_1_MAX_ROWS``, the same bits either way too);
-  other quantized weights go to ``quant.linear``.
+  (``hybrid_weight``, ``packed_q4.h``); a generated token's rows on Q4_1's exact values
+  (``linear_rows``, ``exact_q4.h``: the same bits at any row count too); other quantized weights
+  go to ``quant.linear``.
 - Otherwise at most ``LINEAR_MAX_ROWS[dtype]`` rows of x: each weight row streamed once for all
   rows of x (AVX2/FMA tiles, bf16 widened to fp32); more rows go to torch's F.linear.
 
@@ -26,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from pdserve.kernels.cpu import memory, quant
 from pdserve.kernels.cpu.ops import NATIVE_DTYPES, load_or_warn
-
-from pdserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +94,13 @@ class _Packing:
         self.pack_blocks = lib.pdserve_pack_blocks
         self.pack_blocks.argtypes = self.pack.argtypes[:4] + [ctypes.c_int32] * 2
         self.pack_blocks.restype = None
-        self.q4x_many_bytes = lib.pdserve_q4x_many_bytes
-        self.q4x_many_bytes.argtypes = [ctypes.c_int64] * 2
-        self.q4x_many_bytes.restype = ctypes.c_int64
-        self.pack_q4x_many = lib.pdserve_pack_q4x_many
-        self.pack_q4x_many.argtypes = self.pack.argtypes
-        self.pack_q4x_many.restype = None
         self.block_formats = (quant.Q4_1, quant.Q8_0)
         self.hybrid = lib.pdserve_linear_hybrid
         self.hybrid.argtypes = self.linear.argtypes
         self.hybrid.restype = None
+        self.hybrid_rows = lib.pdserve_linear_hybrid_rows
+        self.hybrid_rows.argtypes = self.linear.argtypes + [ctypes.c_int64]
+        self.hybrid_rows.restype = None
 
 
 @functools.cache
@@ -145,6 +140,7 @@ class HybridWeight(ctypes.Structure):
         ("qp", ctypes.c_void_p),
         ("qp_max_rows", ctypes.c_int64),
         ("qt", ctypes.c_int64),
+        ("qx", ctypes.c_void_p),
     ]
 
 
@@ -152,12 +148,7 @@ class HybridWeight(ctypes.Structure):
 # packed bf16 copy (compute bound there: for the default model's projections, 2 threads, 12 rows
 # took 0.87x, 16 rows 0.99x, 32 rows 1.32x the packed time).
 HYBRID_MAX_ROWS = 8
-# The same for a Q4_1 weight on its exact values (PDSERVE_BF16_EXACT_Q4_1): its blocks kernel has
-# a third of the instructions and ran quicker than the copy up to 96 rows measured (the default
-# model's 120 projections from memory, 2 threads, a 2-core Zen 4: 8 rows 4.7 against 9.5 ms, 32
-# rows 18.1 against 22.3, 96 rows 53.4 against 55.5; 256 rows 2 % slower).
-EXACT_Q4_1_MAX_ROWS = 128
-QP_Q4_1X = 103  # packed_q4.h's code for Q4_1 in exact_q4.h's layout
+QP_Q4_1X = 103  # packed_q4.h's code for Q4_1 in exact_q4.h's layout (generated tokens' rows)
 # id(weight) -> (weakref to it, its HybridWeight, the tensors the HybridWeight points into)
 _hybrids: dict[int, tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]]] = {}
 
@@ -172,19 +163,15 @@ def _made_hybrid(weight) -> HybridWeight | None:
     return entry[1] if entry is not None and entry[0]() is weight else None
 
 
-def hybrid_rows(weight) -> int:
-    """Most rows of x for which ``weight``'s blocks are read: ``HYBRID_MAX_ROWS`` (or
-    ``EXACT_Q4_1_MAX_ROWS``) for a weight made a hybrid (a bf16 model's, at load), else 0 (read
-    the same way at every row count)."""
-    made = _made_hybrid(weight)
-    return made.qp_max_rows if made is not None else 0
-
-
-def hybrid_copy_bytes(weight) -> int:
-    """Bytes of the copy that steps of more than ``hybrid_rows(weight)`` rows read (0 if the
-    weight is not a hybrid)."""
+def hybrid_tier(weight) -> tuple[int, int, bool] | None:
+    """For a weight made a hybrid: (``HYBRID_MAX_ROWS``, the bytes its packed copy reads beyond
+    its blocks', whether only a prompt's rows read it: a Q4_1 weight's generated rows read its
+    blocks at any count); else None."""
     entry = _hybrids.get(id(weight))
-    return entry[2][0].nbytes if entry is not None and entry[0]() is weight else 0
+    if entry is None or entry[0]() is not weight:
+        return None
+    desc, kept = entry[1], entry[2]
+    return desc.qp_max_rows, kept[0].nbytes - weight.nbytes, bool(desc.qx)
 
 
 def hybrid_weight(weight) -> HybridWeight | None:
@@ -195,9 +182,8 @@ def hybrid_weight(weight) -> HybridWeight | None:
     (``pdserve_linear_qp``) are bit for bit the packed copy's (packed_q4.h), so no output depends
     on the rows a step batches.
 
-    With ``PDSERVE_BF16_EXACT_Q4_1`` (opt-in) a Q4_1 weight is multiplied on its exact values
-    instead (exact_q4.h): its blocks in that kernel's layout for up to ``EXACT_Q4_1_MAX_ROWS``
-    rows, a copy of 128 + q as bf16 with d and m beside it for more, the same bits either way."""
+    A Q4_1 weight also gets its blocks in exact_q4.h's layout (``qx``), on which ``linear_rows``
+    multiplies generated tokens' rows with the exact weights (at any row count, the same bits)."""
     made = _made_hybrid(weight)
     if made is not None:
         return made
@@ -210,22 +196,20 @@ def hybrid_weight(weight) -> HybridWeight | None:
         return None
     n, k = weight.shape  # K % 32 == 0 and contiguous blocks: QuantizedWeight holds to both
     threads = torch.get_num_threads()
-    qt, rows = weight.qtype, HYBRID_MAX_ROWS
-    if qt == quant.Q4_1 and envs.bf16_exact_q4_1():
-        qt, rows = QP_Q4_1X, EXACT_Q4_1_MAX_ROWS
-        packed = memory.weights_empty(packing.q4x_many_bytes(n, k), torch.uint8)
-        packing.pack_q4x_many(weight.data.data_ptr(), n, k, packed.data_ptr(), threads)
-    else:
-        dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
-        packed = memory.weights_empty(packing.words(n, k), torch.int32)
-        packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
-        del dense
-    qp = memory.weights_empty(packing.qp_bytes(n, k, qt), torch.uint8)
-    packing.pack_blocks(weight.data.data_ptr(), n, k, qp.data_ptr(), qt, threads)
-    desc = HybridWeight(packed.data_ptr(), qp.data_ptr(), rows, qt)
+    dense = quant.dequantize_rows(weight, 0, n, torch.empty(n, k)).to(torch.bfloat16)
+    packed = memory.weights_empty(packing.words(n, k), torch.int32)
+    packing.pack(dense.data_ptr(), n, k, packed.data_ptr(), threads)
+    del dense
+    kept = [packed]
+    for qt in (weight.qtype, QP_Q4_1X) if weight.qtype == quant.Q4_1 else (weight.qtype,):
+        blocks = memory.weights_empty(packing.qp_bytes(n, k, qt), torch.uint8)
+        packing.pack_blocks(weight.data.data_ptr(), n, k, blocks.data_ptr(), qt, threads)
+        kept.append(blocks)
+    qx = kept[2].data_ptr() if len(kept) == 3 else None
+    desc = HybridWeight(packed.data_ptr(), kept[1].data_ptr(), HYBRID_MAX_ROWS, weight.qtype, qx)
     key = id(weight)
     ref = weakref.ref(weight, lambda _, key=key: _hybrids.pop(key, None))
-    _hybrids[key] = (ref, desc, (packed, qp))
+    _hybrids[key] = (ref, desc, tuple(kept))
     return desc
 
 
@@ -353,11 +337,13 @@ def _hybrid_ok(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
     )
 
 
-def _linear_hybrid(x: torch.Tensor, hybrid: HybridWeight, shape, bias) -> torch.Tensor:
+def _linear_hybrid(
+    x: torch.Tensor, hybrid: HybridWeight, shape, bias, prompt_rows: int | None = None
+) -> torch.Tensor:
     n, k = shape
     rows = x.numel() // k
     y = torch.empty(rows, n, dtype=x.dtype)
-    _packing().hybrid(
+    args = [
         x.data_ptr(),
         ctypes.addressof(hybrid),
         None if bias is None else bias.data_ptr(),
@@ -366,5 +352,27 @@ def _linear_hybrid(x: torch.Tensor, hybrid: HybridWeight, shape, bias) -> torch.
         n,
         k,
         torch.get_num_threads(),
-    )
+    ]
+    if prompt_rows is None:
+        _packing().hybrid(*args)
+    else:
+        _packing().hybrid_rows(*args, prompt_rows)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prompt_rows: int
+) -> torch.Tensor:
+    """``linear`` of a step's rows, the first ``prompt_rows`` of them prompt tokens and the rest
+    generated ones (decode), which a bf16 model's Q4_1 hybrids multiply on their exact weights
+    (exact_q4.h; prompt rows on their bf16 rounding, as ``linear`` does every row): a token's
+    outputs are the same bits whatever else the step holds."""
+    if (
+        isinstance(weight, quant.QuantizedWeight)
+        and x.dtype == torch.bfloat16
+        and _hybrid_ok(x, weight, bias)
+    ):
+        hybrid = hybrid_weight(weight)
+        if hybrid is not None and hybrid.qx:
+            return _linear_hybrid(x, hybrid, weight.shape, bias, prompt_rows)
+    return linear(x, weight, bias)

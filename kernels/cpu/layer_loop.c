@@ -13,6 +13,10 @@ typedef void (*rms_norm_fn)(const void *x, void *residual, const void *weight, v
                             int64_t N, float eps, int32_t dtype, int32_t num_threads);
 typedef void (*linear_fn)(const void *x, const void *packed, const void *bias, void *y, int64_t M,
                           int64_t N, int64_t K, int32_t num_threads);
+/* the same with the rows' kinds: rows 0 .. prompt_rows-1 prompt tokens, the rest generated ones */
+typedef void (*linear_rows_fn)(const void *x, const void *packed, const void *bias, void *y,
+                               int64_t M, int64_t N, int64_t K, int32_t num_threads,
+                               int64_t prompt_rows);
 typedef int (*rope_fn)(void *qkv, int64_t M, int64_t row_stride, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
                        const float *cos_table, const float *sin_table, int64_t max_positions,
@@ -69,7 +73,18 @@ typedef struct { /* one step */
     int32_t is_bf16; /* activations and buffers: bf16 (1) or fp32 (0, decode steps only) */
     int32_t kv_code; /* the pools' code for rope and decode attention: as is_bf16, or 2 (fp32
                         activations over bf16 pools) */
+    linear_rows_fn linear_rows; /* or NULL: linear for every row, whatever its kind */
 } Step;
+
+/* y = x @ w^T (+ b) for the step's m rows: its prefill rows are prompt tokens, its decode rows
+ * generated ones, which linear_rows (a bf16 model's Q4_1 hybrids) multiplies differently. */
+static void project(const Step *s, const void *x, const void *w, const void *b, void *y,
+                    int64_t N, int64_t K) {
+    if (s->linear_rows)
+        s->linear_rows(x, w, b, y, s->m, N, K, s->num_threads, s->prefill.tokens);
+    else
+        s->linear(x, w, b, y, s->m, N, K, s->num_threads);
+}
 
 enum { FAILED_ROPE = 0, FAILED_DECODE = 1, FAILED_PREFILL = 2, STOPPED = 3 };
 
@@ -93,7 +108,7 @@ int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, i
             s->rms_norm(s->embeddings, NULL, L->ln1, s->normed, m, H, L->eps1, bf16, t);
         else
             s->rms_norm(s->down, residual, L->ln1, s->normed, m, H, L->eps1, bf16, t);
-        s->linear(s->normed, L->qkv_w, L->qkv_b, s->qkv, m, w, H, t);
+        project(s, s->normed, L->qkv_w, L->qkv_b, s->qkv, w, H);
         int bad = s->rope(s->qkv, m, w, s->heads, s->kv_heads, hd, s->positions, s->cos, s->sin,
                           s->max_positions, L->k_cache, L->v_cache, s->slots,
                           s->num_blocks * s->block_size, s->kv_code, t);
@@ -123,11 +138,11 @@ int64_t pdserve_layers(const Step *s, const Layer *layers, int64_t num_layers, i
                 return i;
             }
         }
-        s->linear(s->attn, L->o_w, L->o_b, s->o, m, H, s->heads * hd, t);
+        project(s, s->attn, L->o_w, L->o_b, s->o, H, s->heads * hd);
         s->rms_norm(s->o, residual, L->ln2, s->normed, m, H, L->eps2, bf16, t);
-        s->linear(s->normed, L->gate_up_w, L->gate_up_b, s->gate_up, m, 2 * I, H, t);
+        project(s, s->normed, L->gate_up_w, L->gate_up_b, s->gate_up, 2 * I, H);
         s->silu_mul(s->gate_up, s->act, m, I, bf16, t);
-        s->linear(s->act, L->down_w, L->down_b, s->down, m, H, I, t);
+        project(s, s->act, L->down_w, L->down_b, s->down, H, I);
         if (s->after_layer && s->after_layer(i)) {
             *kind = STOPPED, *count = 0;
             return i;

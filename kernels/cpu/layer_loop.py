@@ -14,7 +14,8 @@ Any step: its prefill tokens (prefill attention), then its decode tokens (decode
 ``after_layer(i)`` (the prefill worker's KV shipping) is called back from C after each layer. It
 covers what those kernels cover natively: bf16 weights and KV pools on a CPU with AVX512-BF16
 (head_dim 64 or 128). The projections are all packed bf16 (``linear.c``), all Q4_1/Q8_0 as
-``gemm.hybrid_weight``s (``pdserve_linear_hybrid``: the blocks or the packed copy by rows of x),
+``gemm.hybrid_weight``s (``pdserve_linear_hybrid_rows``: a prompt's rows from the blocks or the
+packed copy by their count, a generated token's rows on Q4_1's exact values),
 or all quantized (``quant.c``'s ``pdserve_qlinear_desc`` on a ``QDesc``). An fp32 model whose projections are all
 quantized (the AVX2 machines' fast path: ``--quantization gguf`` or int8) runs its decode-only
 steps here on any CPU, over fp32 or bf16 KV pools (``--kv-cache-dtype``; ``decode_only``: fp32
@@ -113,7 +114,7 @@ class _Step(ctypes.Structure):
                 "sin",
             )
         ]
-        + [("is_bf16", _I32), ("kv_code", _I32)]
+        + [("is_bf16", _I32), ("kv_code", _I32), ("linear_rows", _P)]
     )
 
 
@@ -219,6 +220,8 @@ class LayerLoop:
             None if self.decode_only else _address(attn_lib.pdserve_prefill_attention_bf16),
             _address(fused_lib.pdserve_silu_mul),
         )
+        # a hybrid's generated rows on Q4_1's exact values (gemm.linear_rows), as the module path
+        self.linear_rows = _address(packing.hybrid_rows) if self.hybrid else None
         self._weights = list(model.parameters())
         self._key: tuple | None = None
 
@@ -359,6 +362,7 @@ class LayerLoop:
             self.sin.data_ptr(),
             int(self.dtype == torch.bfloat16),
             ops.kv_code(self.dtype, k0.dtype),
+            self.linear_rows,
         )
         kind, count = _I32(), _I64()
         failed = self.lib.pdserve_layers(

@@ -293,51 +293,34 @@ static inline __attribute__((always_inline)) void packed_tile(
     }
 }
 
-/* The rows of pass j when m1 - m0 rows go in passes of at most `most`, as even as can be (32 rows
- * by 6: 5 + 5 + 5 + 5 + 6 + 6, not 6 x 5 + 2). */
-static inline int64_t pass_rows(int64_t m0, int64_t m1, int64_t most, int64_t j) {
-    const int64_t passes = (m1 - m0 + most - 1) / most;
-    return (m1 - m0 + j) / passes;
-}
-
-typedef struct {
-    const uint16_t *x;
-    const void *w; /* the first block of outputs */
-    const uint16_t *bias;
-    uint16_t *y;
-    int64_t N, K, block_bytes;
-    const float *xs; /* exact_q4.h's block sums of x, or NULL */
-} Blocks;
-
-/* Rows m0 .. m1-1 of x against block nb of a Blocks; next: the block to prefetch, or NULL. */
-typedef void (*block_rows_fn)(const Blocks *b, int64_t nb, int64_t m0, int64_t m1,
-                              const char *next);
-
-/* TILE with MR constant (1 to 6: a pass's rows), one instance each so the sums stay in registers */
-#define PASS_CASE(TILE, mr_) case mr_: { enum { MR = mr_ }; TILE; } break;
-#define PASS_CASES(mr, TILE)                                                                       \
-    switch ((int)(mr)) {                                                                           \
-        PASS_CASE(TILE, 6) PASS_CASE(TILE, 5) PASS_CASE(TILE, 4) PASS_CASE(TILE, 3)                \
-        PASS_CASE(TILE, 2) default: { enum { MR = 1 }; TILE; } break;                              \
-    }
-
-static void packed_rows(const Blocks *b, int64_t nb, int64_t m0, int64_t m1, const char *next) {
-    const int64_t K = b->K, kps = (K + 1) / 2, n0 = nb * PNB;
-    const uint32_t *wb = (const uint32_t *)((const char *)b->w + nb * b->block_bytes);
-    for (int64_t j = 0, m = m0, mr; m < m1; j++, m += mr) {
-        mr = pass_rows(m0, m1, PMR, j);
-        const uint16_t *xm = b->x + m * K;
-        uint16_t *ym = b->y + m * b->N;
-        PASS_CASES(mr, packed_tile(xm, K, wb, kps, MR, b->bias, ym, b->N, n0, next))
+static void packed_rows(const uint16_t *x, int64_t K, const uint32_t *wb, int64_t kps,
+                        const uint16_t *bias, uint16_t *y, int64_t N, int64_t n0, int64_t m0,
+                        int64_t m1, const char *next) {
+    /* passes of at most PMR rows, as even as can be: 32 = 5 + 5 + 5 + 5 + 6 + 6, not 6 x 5 + 2 */
+    const int64_t passes = (m1 - m0 + PMR - 1) / PMR;
+    for (int64_t j = 0, m = m0, mr; j < passes; j++, m += mr) {
+        mr = (m1 - m0 + j) / passes;
+        const uint16_t *xm = x + m * K;
+        uint16_t *ym = y + m * N;
+        switch ((int)mr) {
+        case 6: packed_tile(xm, K, wb, kps, 6, bias, ym, N, n0, next); break;
+        case 5: packed_tile(xm, K, wb, kps, 5, bias, ym, N, n0, next); break;
+        case 4: packed_tile(xm, K, wb, kps, 4, bias, ym, N, n0, next); break;
+        case 3: packed_tile(xm, K, wb, kps, 3, bias, ym, N, n0, next); break;
+        case 2: packed_tile(xm, K, wb, kps, 2, bias, ym, N, n0, next); break;
+        default: packed_tile(xm, K, wb, kps, 1, bias, ym, N, n0, next); break;
+        }
     }
 }
 
 #define PACKED_M_CHUNK 96 /* rows of x per task when there are many (a multiple of PMR) */
 
-/* Every (block, row) of a projection with `blocks` blocks of outputs and M rows of x, by run. */
-static void by_blocks(const Blocks *b, int64_t M, int64_t blocks, block_rows_fn run,
-                      int32_t num_threads) {
-    const char *w = b->w;
+/* y [M, N] = x [M, K] @ w^T (+ bias [N]), w packed by pdserve_pack_bf16; all bf16. */
+void pdserve_linear_packed(const uint16_t *x, const uint32_t *packed, const uint16_t *bias,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB, block_words = kps * PNB;
+    if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
     if (M <= PACKED_M_CHUNK) {
         /*
          * Few rows (decode): the (block, row) pairs in block-major order, cut into one equal
@@ -352,8 +335,8 @@ static void by_blocks(const Blocks *b, int64_t M, int64_t blocks, block_rows_fn 
             for (int64_t u = units * t / num_threads; u < end;) {
                 const int64_t nb = u / M, m0 = u % M;
                 const int64_t m1 = end - nb * M < M ? end - nb * M : M;
-                const char *next = (nb + 1) * M < end ? w + (nb + 1) * b->block_bytes : NULL;
-                run(b, nb, m0, m1, next);
+                const char *next = (nb + 1) * M < end ? (const char *)(packed + (nb + 1) * block_words) : NULL;
+                packed_rows(x, K, packed + nb * block_words, kps, bias, y, N, nb * PNB, m0, m1, next);
                 u = nb * M + m1;
             }
         }
@@ -366,18 +349,9 @@ static void by_blocks(const Blocks *b, int64_t M, int64_t blocks, block_rows_fn 
         const int64_t nb = t % blocks, mc = t / blocks;
         const int64_t m0 = mc * PACKED_M_CHUNK;
         const int64_t m1 = m0 + PACKED_M_CHUNK < M ? m0 + PACKED_M_CHUNK : M;
-        run(b, nb, m0, m1, nb + 1 < blocks ? w + (nb + 1) * b->block_bytes : NULL);
+        const char *next = nb + 1 < blocks ? (const char *)(packed + (nb + 1) * block_words) : NULL;
+        packed_rows(x, K, packed + nb * block_words, kps, bias, y, N, nb * PNB, m0, m1, next);
     }
-}
-
-/* y [M, N] = x [M, K] @ w^T (+ bias [N]), w packed by pdserve_pack_bf16; all bf16. */
-void pdserve_linear_packed(const uint16_t *x, const uint32_t *packed, const uint16_t *bias,
-                           uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
-    if (M <= 0 || N <= 0) return;
-    const int64_t kps = (K + 1) / 2, blocks = (N + PNB - 1) / PNB;
-    if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
-    const Blocks b = {x, packed, bias, y, N, K, kps * PNB * 4, NULL};
-    by_blocks(&b, M, blocks, packed_rows, num_threads);
 }
 
 #include "packed_q4.h" /* Q4_1 and Q8_0 blocks (and exact_q4.h, which it includes) */

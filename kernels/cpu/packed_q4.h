@@ -30,8 +30,9 @@
  * more per 32 weights, which a 1-row step, bound by its instructions and not by memory on a
  * Zen 5, paid: the 1-row kernel ran ~20 % slower from cache.)
  *
- * With PDSERVE_BF16_EXACT_Q4_1 (opt-in) Q4_1 is multiplied on its exact values instead
- * (exact_q4.h: qt QP_Q4_1X, its own layouts), the same bits at every row count too.
+ * That is how a prompt's tokens are multiplied. A generated token's rows (decode) multiply
+ * Q4_1 on its exact values instead (exact_q4.h: qt QP_Q4_1X, its own layout), the same bits at
+ * every row count too (pdserve_linear_hybrid_rows).
  *
  * Q8_0 (the default GGUF's tied embedding and lm_head) the same way, 34 bytes per 32 weights:
  * d, then per pair of k 16 int8 for outputs 0-7 and 16 for outputs 8-15 (pdserve_pack_blocks);
@@ -43,7 +44,7 @@
 #define QP_Q4_1 3        /* GGML's type ids, as kernels/quantized.py */
 #define QP_Q8_0 8
 #define QP_Q4_1X 103     /* Q4_1 in exact_q4.h's layout, multiplied on its exact values */
-#define Q4MR 8           /* rows of x per pass over the weights */
+#define Q4MR 12          /* rows of x per pass over the weights (8 for a prompt's: its limit) */
 #define Q4NG 4           /* groups side by side, at most */
 #ifndef QP_AHEAD
 #define QP_AHEAD 8       /* blocks prefetched ahead in each group */
@@ -176,6 +177,14 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
     }
 }
 
+/* The rows of pass j when M rows go in passes of at most Q4MR, as even as can be (32 = 10 + 11 +
+ * 11, not 12 + 12 + 8). Passes of 12 rows rather than 8 measured 0.96x at 32 and 64 generated
+ * rows (exact_q4.h; the default model's 120 projections from memory, 2 threads, a Zen 4). */
+static inline int64_t pass_rows(int64_t M, int64_t j) {
+    const int64_t passes = (M + Q4MR - 1) / Q4MR;
+    return (M + j) / passes;
+}
+
 /* TILE with NG and MR constant for each (groups side by side, rows) a pass takes: one instance
  * each, so the chains stay in registers. */
 #define QP_CASE(TILE, ng_, mr_) case ng_ * 16 + mr_: { enum { NG = ng_, MR = mr_ }; TILE; } break;
@@ -185,6 +194,7 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
         QP_CASE(TILE, 2, 1) QP_CASE(TILE, 2, 2) QP_CASE(TILE, 2, 3) QP_CASE(TILE, 2, 4)            \
         QP_CASE(TILE, 1, 1) QP_CASE(TILE, 1, 2) QP_CASE(TILE, 1, 3) QP_CASE(TILE, 1, 4)            \
         QP_CASE(TILE, 1, 5) QP_CASE(TILE, 1, 6) QP_CASE(TILE, 1, 7) QP_CASE(TILE, 1, 8)            \
+        QP_CASE(TILE, 1, 9) QP_CASE(TILE, 1, 10) QP_CASE(TILE, 1, 11) QP_CASE(TILE, 1, 12)         \
     }
 
 /* y [M, N] = x [M, K] @ w^T (+ bias), w packed by pdserve_pack_blocks (qt 3: Q4_1, 8: Q8_0, 103:
@@ -195,12 +205,12 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
     const int64_t groups = (N + Q4G - 1) / Q4G, kbs = K / 32;
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
     if (num_threads > groups) num_threads = (int32_t)groups;
-    float xs[qt == QP_Q4_1X ? M * kbs : 1]; /* exact Q4_1: x's block sums (M <= qp_max_rows) */
+    float xs[qt == QP_Q4_1X ? M * kbs : 1]; /* exact Q4_1: x's block sums (M <= Q4X_RUN) */
     if (qt == QP_Q4_1X)
         for (int64_t r = 0; r < M; r++) q4x_sums(x + r * K, K, xs + r * kbs);
     /* Each thread an equal run of groups, walked ng at a time (4 for 1-2 rows, 2 for 3-4); more
      * than Q4MR rows in passes over each group while it is in L1. */
-    const int64_t passes = (M + Q4MR - 1) / Q4MR, first = pass_rows(0, M, Q4MR, 0);
+    const int64_t passes = (M + Q4MR - 1) / Q4MR, first = pass_rows(M, 0);
     const int most = passes > 1 ? 1 : first <= 2 ? 4 : first <= 4 ? 2 : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int64_t t = 0; t < num_threads; t++) {
@@ -208,7 +218,7 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
         for (int64_t g = groups * t / num_threads; g < g1;) {
             const int ng = g1 - g < most ? (int)(g1 - g) : most;
             for (int64_t j = 0, m = 0, mr; m < M; j++, m += mr) {
-                mr = pass_rows(0, M, Q4MR, j);
+                mr = pass_rows(M, j);
                 const uint16_t *xm = x + m * K;
                 uint16_t *ym = y + m * N;
                 if (qt == QP_Q8_0)
@@ -226,28 +236,37 @@ void pdserve_linear_qp(const uint16_t *x, const uint8_t *w, int32_t qt, const ui
 #undef QP_CASE
 
 /* A projection the layer loop hands to pdserve_linear_hybrid in place of a packed weight: up to
- * qp_max_rows rows of x through pdserve_linear_qp on qp, more through the copy for many rows. */
+ * qp_max_rows rows of x through pdserve_linear_qp on qp, more through the packed bf16 copy; and
+ * (pdserve_linear_hybrid_rows) a Q4_1 weight's generated rows on its exact values, qx. */
 typedef struct {
-    const void *packed;  /* for many rows: pdserve_pack_bf16's of the dequantized weight rounded
-                            to bf16, or (QP_Q4_1X) pdserve_pack_q4x_many's */
-    const uint8_t *qp;   /* pdserve_pack_blocks of the same weight */
-    int64_t qp_max_rows; /* qp for at most this many rows of x, packed for more */
-    int64_t qt;          /* the blocks' format: QP_Q4_1, QP_Q8_0 or QP_Q4_1X */
+    const uint32_t *packed; /* pdserve_pack_bf16's, of the dequantized weight rounded to bf16 */
+    const uint8_t *qp;      /* pdserve_pack_blocks of the same weight */
+    int64_t qp_max_rows;    /* qp for at most this many rows of x, packed for more */
+    int64_t qt;             /* the blocks' format: QP_Q4_1 or QP_Q8_0 */
+    const uint8_t *qx;      /* Q4_1: the blocks in exact_q4.h's layout (QP_Q4_1X); or NULL */
 } HybridWeight;
 
+/* Every row as a prompt token's: the bf16 rounding of the weights. */
 void pdserve_linear_hybrid(const uint16_t *x, const void *weight, const uint16_t *bias,
                            uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads) {
     const HybridWeight *h = (const HybridWeight *)weight;
-    if (h->qt == QP_Q4_1X && M > h->qp_max_rows &&
-        !pdserve_linear_q4x_many(x, h->packed, bias, y, M, N, K, num_threads))
-        return;
-    if (h->qt == QP_Q4_1X) { /* few rows, or (no memory for the block sums) their kernel on */
-        for (int64_t m = 0; m < M; m += h->qp_max_rows) { /* runs of them: the same bits */
-            const int64_t rows = M - m < h->qp_max_rows ? M - m : h->qp_max_rows;
-            pdserve_linear_qp(x + m * K, h->qp, QP_Q4_1X, bias, y + m * N, rows, N, K, num_threads);
-        }
-    } else if (M <= h->qp_max_rows)
+    if (h->qp && M <= h->qp_max_rows)
         pdserve_linear_qp(x, h->qp, (int32_t)h->qt, bias, y, M, N, K, num_threads);
     else
         pdserve_linear_packed(x, h->packed, bias, y, M, N, K, num_threads);
+}
+
+/* Rows 0 .. prompt_rows-1 as prompt tokens (pdserve_linear_hybrid), the rest as generated ones:
+ * on qx's exact values where the weight has them, in runs of at most Q4X_RUN rows. Either kind's
+ * outputs are the same bits whatever the other rows are. */
+void pdserve_linear_hybrid_rows(const uint16_t *x, const void *weight, const uint16_t *bias,
+                                uint16_t *y, int64_t M, int64_t N, int64_t K, int32_t num_threads,
+                                int64_t prompt_rows) {
+    const HybridWeight *h = (const HybridWeight *)weight;
+    const int64_t p = !h->qx ? M : prompt_rows < 0 ? 0 : prompt_rows > M ? M : prompt_rows;
+    if (p) pdserve_linear_hybrid(x, weight, bias, y, p, N, K, num_threads);
+    for (int64_t m = p; m < M; m += Q4X_RUN) {
+        const int64_t rows = M - m < Q4X_RUN ? M - m : Q4X_RUN;
+        pdserve_linear_qp(x + m * K, h->qx, QP_Q4_1X, bias, y + m * N, rows, N, K, num_threads);
+    }
 }

@@ -82,6 +82,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
 
+def project(ops, x: torch.Tensor, linear: nn.Linear, prompt_rows: int) -> torch.Tensor:
+    """``ops.linear`` of a step's rows: the first ``prompt_rows`` are prompt tokens and the rest
+    generated ones, which a backend with ``linear_rows`` may multiply differently (the CPU's, for a
+    bf16 model's Q4_1 weights: on their exact values)."""
+    rows = getattr(ops, "linear_rows", None)
+    if rows is None:
+        return ops.linear(x, linear.weight, linear.bias)
+    return rows(x, linear.weight, linear.bias, prompt_rows)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops) -> None:
         super().__init__()
@@ -110,7 +120,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Every token's K/V is written; the output is every token's, or only ``rows``'."""
         # [num_tokens, q_size + 2 * kv_size]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = project(self.ops, x, self.qkv_proj, meta.num_prefill_tokens)
         k_cache, v_cache = kv_cache
         # rotate q and k, write k and v into their slots; q: [num_tokens, heads, head_dim]
         q = self.ops.rope_write_kv(
@@ -128,7 +138,7 @@ class Attention(nn.Module):
         out = paged_attention(
             self.ops, q, kv_cache, meta, self.scale
         )  # [num_tokens, heads, head_dim]
-        return self.ops.linear(out.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return project(self.ops, out.reshape(-1, self.q_size), self.o_proj, meta.num_prefill_tokens)
 
 
 class MLP(nn.Module):
@@ -139,11 +149,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.ops.linear(
-            self.ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias
-        )
+    def forward(self, x: torch.Tensor, prompt_rows: int) -> torch.Tensor:
+        """``x``'s first ``prompt_rows`` rows are prompt tokens, the rest generated ones."""
+        gate_up = project(self.ops, x, self.gate_up_proj, prompt_rows)
+        return project(self.ops, self.ops.silu_mul(gate_up), self.down_proj, prompt_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +175,7 @@ class DecoderLayer(nn.Module):
         if attn.shape[0] == 0:
             return attn, residual
         h, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, (meta if rows is None else rows.meta).num_prefill_tokens), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -13,11 +13,12 @@ takes in place of a dense weight:
   GGUF block the kernels read is used: on a 2-core AVX2 Zen 3 the default model's own Q4_1
   blocks decode one stream 3x faster than fp32 and batch 32 as fast. With bf16 weights (AVX512-
   BF16) only the Q4_1 and Q8_0 weights are (the default model: every projection Q4_1, the tied
-  embedding and lm_head Q8_0): each is then multiplied from its blocks for up to
+  embedding and lm_head Q8_0): a prompt's rows are then multiplied from the blocks for up to
   ``gemm.HYBRID_MAX_ROWS`` rows of x and from a packed bf16 copy for more, with the outputs of
-  that bf16 copy either way (``kernels/cpu/packed_q4.h``), so the model computes exactly what
-  the dense bf16 model of the converted folder computes, only reading 4- and 8-bit blocks in
-  small decode steps. Without native bf16 packing a bf16 model stays dense.
+  that bf16 copy either way (``kernels/cpu/packed_q4.h``), so a prompt's tokens compute exactly
+  what the dense bf16 model of the converted folder computes; a generated token's rows multiply
+  Q4_1 on its exact values (``kernels/cpu/exact_q4.h``), reading the 4-bit blocks at any batch.
+  Without native bf16 packing a bf16 model stays dense.
 
 Tied embeddings are quantized with the lm_head (one copy), and the embedding lookup dequantizes
 the rows it needs (``QuantizedEmbedding``); an untied embedding stays dense (only looked up).
@@ -114,28 +115,23 @@ def quantize_model(model: LlamaForCausalLM, mode: str, folder: Path | None = Non
     return mode
 
 
-def _block_rows(model: LlamaForCausalLM, weight) -> int:
-    """Most rows of x for which the backend reads ``weight``'s blocks (0: always)."""
-    rows = getattr(model.ops, "hybrid_rows", None)  # the CPU backend's, for a bf16 model
-    return rows(weight) if rows is not None else 0
-
-
-def weight_tiers(model: LlamaForCausalLM) -> tuple[tuple[int, int], ...]:
-    """``(rows, extra)`` pairs, rows ascending: a step of more than ``rows`` tokens reads
-    ``extra`` bytes more than ``weight_bytes`` counts, where a bf16 model's blocks give way to
-    their copies (the CPU backend's ``hybrid_copy_bytes``: past 8 rows, exact Q4_1's past 128)."""
-    extra: dict[int, int] = {}
+def weight_tiers(model: LlamaForCausalLM) -> tuple[tuple[int, int, bool], ...]:
+    """``(rows, extra, prompt_only)``, ascending: a step of more than ``rows`` tokens (of more
+    than ``rows`` prompt tokens, where ``prompt_only``) reads ``extra`` bytes more than
+    ``weight_bytes`` counts, where a bf16 model's blocks give way to their copies (the CPU
+    backend's ``hybrid_tier``; a Q4_1 weight's blocks serve generated tokens at any count)."""
+    extra: dict[tuple[int, bool], int] = {}
+    tier = getattr(model.ops, "hybrid_tier", None)
     seen: set[int] = set()
     for m in model.modules():
-        if not _quantized(m) or id(m.weight) in seen:
+        if tier is None or not _quantized(m) or id(m.weight) in seen:
             continue
         seen.add(id(m.weight))
-        rows = _block_rows(model, m.weight)
-        if rows:
-            extra[rows] = (
-                extra.get(rows, 0) + model.ops.hybrid_copy_bytes(m.weight) - m.weight.nbytes
-            )
-    return tuple(sorted(extra.items()))
+        t = tier(m.weight)
+        if t is not None:
+            rows, more, prompt_only = t
+            extra[rows, prompt_only] = extra.get((rows, prompt_only), 0) + more
+    return tuple((rows, more, prompt_only) for (rows, prompt_only), more in sorted(extra.items()))
 
 
 def _quantized(module) -> bool:

@@ -34,14 +34,21 @@ def test_a_decode_step_is_bound_by_its_bytes():
 
 
 def test_steps_of_more_rows_than_the_blocks_serve_read_the_copies():
-    """A bf16 model's GGUF blocks are read by steps of up to a format's rows (8 Q8_0, 128 Q4_1),
-    their copies by larger ones: the roofline counts what each step reads."""
-    tiers = ((8, 500_000), (128, 1_500_000))
+    """A bf16 model's GGUF blocks are read by steps of up to 8 tokens, their packed copies by
+    larger ones, but a Q4_1 weight's blocks by any number of a generated token's rows (its tier
+    counts prompt tokens only): the roofline counts what each step reads."""
+    tiers = ((8, 500_000, False), (8, 1_500_000, True))
     cost = ModelCost(1_000_000, 100_000, 50_000, 1_000, 400, weight_tiers=tiers)
     r = Roofline(cost, RATES)
-    cases = ((1, 1_000_000), (8, 1_000_000), (9, 1_500_000), (128, 1_500_000), (129, 3_000_000))
-    for tokens, weights in cases:
-        work = StepWork(tokens, tokens, num_kv_tokens_read=100, num_attention_pairs=100)
+    cases = (  # tokens, of them a prompt's, weights read
+        (1, 0, 1_000_000),
+        (8, 8, 1_000_000),
+        (32, 0, 1_500_000),
+        (32, 9, 3_000_000),
+        (512, None, 3_000_000),
+    )
+    for tokens, prompt, weights in cases:
+        work = StepWork(tokens, tokens, 100, 100, num_prompt_tokens=prompt)
         assert r.bytes(work) == weights + 100 * 1_000
         assert r.kv_bytes(work) == 100 * 1_000
     work = StepWork(9, 9, 0, 0)
@@ -76,6 +83,7 @@ def test_step_work_counts_tokens_samples_kv_and_attention_pairs():
     )
     w = StepWork.of(batch)
     assert w.num_tokens == 8 + 10 + 2
+    assert w.num_prompt_tokens == 8 + 10
     assert w.num_sampled == 1 + 2
     assert w.num_kv_tokens_read == 24 + 10 + 8 + 45
     # queries 16..23 over keys 0..p: 17 + ... + 24; queries 0..9: 1 + ... + 10; decodes: 8, 45
@@ -98,7 +106,7 @@ def test_the_model_cost_counts_the_models_own_tensors(tiny_model):
     # the engine counts each step's batch as it runs it: the last one decodes the one sequence
     prompt = [5, 6, 7, 8, 9]
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert engine.last_step == StepWork(1, 1, len(prompt) + 3, len(prompt) + 3)
+    assert engine.last_step == StepWork(1, 1, len(prompt) + 3, len(prompt) + 3, 0)
 
 
 def test_the_bandwidth_buffer_is_twice_the_llc_within_bounds():

@@ -1,11 +1,11 @@
-"""Q4_1 and Q8_0 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``):
-multiplied from their blocks for few rows of x and from a copy for more, the same bits either
-way, so that no output depends on how many rows a step batches.
+"""Q4_1 and Q8_0 weights in a bf16 model where the CPU has AVX512-BF16 (``packed_q4.h``): no
+output depends on how many rows a step batches.
 
-- By default on the bf16 rounding of the dequantized weights: the packed dense bf16 kernel's bits.
-- With ``PDSERVE_BF16_EXACT_Q4_1`` (opt-in, ``exact_q4.h``) Q4_1 on its exact values (128 + q as
-  bf16, the block's d and m applied once per block): each output the exact product rounded once
-  to bf16 but for the fp32 sums' rounding, the same bits for every row count.
+- A prompt's rows (``gemm.linear``) on the bf16 rounding of the dequantized weights, from the
+  blocks for few rows and a packed copy for more: the packed dense bf16 kernel's bits.
+- A generated token's rows (``gemm.linear_rows``) on Q4_1's exact values (``exact_q4.h``: 128 + q
+  as bf16, the block's d and m applied once per block): each output the exact product rounded
+  once to bf16 but for the fp32 sums' rounding, the same bits at every row count.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ needs_packing = pytest.mark.skipif(
     reason="no C compiler or no AVX512-BF16 (the packed kernels need it)",
 )
 
-# Row counts on both sides of the few-rows limits (8; 128 for exact Q4_1), partial passes of 8
-# rows, 1 to 4 groups of 16 outputs side by side.
+# Row counts on both sides of the few-rows limit (8) and of a generated run (128), partial passes
+# of 8 rows, 1 to 4 groups of 16 outputs side by side.
 ROWS = [*range(1, 11), 17, 100, 127, 128, 129, 200]
 SHAPES = [(301, 576), (960, 576), (224, 576), (64, 1536), (7, 32), (33, 64)]
 
@@ -34,68 +34,78 @@ def _dense_bf16(qw: Q.QuantizedWeight) -> torch.Tensor:
     return Q.dequantize_reference(qw).to(torch.bfloat16)
 
 
-def _batch_and_slices(qw, k, bias, seed):
+def _generated(x, qw, bias=None):
+    return gemm.linear_rows(x, qw, bias, 0)
+
+
+def _batch_and_slices(qw, k, bias, seed, linear=gemm.linear):
     """One batch of max(ROWS) rows of x; for each row count, its slices at two offsets: (the rows
     of x, their outputs alone, the same rows' outputs in the batch)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(max(ROWS), k, generator=g).to(torch.bfloat16)
-    batch = gemm.linear(x, qw, bias)
+    batch = linear(x, qw, bias)
     assert batch.dtype == torch.bfloat16 and batch.shape == (max(ROWS), qw.shape[0])
     for m in ROWS:
         for start in (0, max(ROWS) - m):
             rows = x[start : start + m]
-            yield rows, gemm.linear(rows, qw, bias), batch[start : start + m]
+            yield rows, linear(rows, qw, bias), batch[start : start + m]
 
 
 @needs_packing
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_every_row_count_gives_the_dense_bf16_kernels_bits(name, n, k):
-    """By default: the same bits as the packed kernel on the dequantized weight rounded to bf16
-    (the same vdpbf16ps chain per output), from the blocks or the copy, alone or in a batch, with
-    and without bias, N not a multiple of 16."""
+    """A prompt's rows: the same bits as the packed kernel on the dequantized weight rounded to
+    bf16 (the same vdpbf16ps chain per output), from the blocks or the copy, alone or in a batch,
+    with and without bias, N not a multiple of 16. Q8_0 multiplies a generated token's rows so
+    too."""
     qw = Q.quantize(make_weight(n, k, seed=5), name)
     desc = gemm.hybrid_weight(qw)
-    assert desc is not None and desc.qp_max_rows == gemm.HYBRID_MAX_ROWS == gemm.hybrid_rows(qw)
+    assert desc is not None and desc.qp_max_rows == gemm.HYBRID_MAX_ROWS
+    assert gemm.hybrid_tier(qw) == (8, gemm.hybrid_tier(qw)[1], name == "q4_1")
     dense = _dense_bf16(qw)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     for b in (None, bias):
         for x, got, want in _batch_and_slices(qw, k, b, seed=7):
             assert torch.equal(got, want), (len(x), b is None)
             assert torch.equal(got, gemm.linear(x, dense, b)), (len(x), b is None)
+            if name == "q8_0" and len(x) in (3, 17):
+                assert torch.equal(gemm.linear_rows(x, qw, b, 1), got)
 
 
 @needs_packing
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_exact_q4_1_outputs_do_not_depend_on_the_rows_a_step_batches(bf16_exact_q4_1, n, k):
-    """A row's outputs are the same bits alone, in a few rows' step (the blocks) and in a large
-    one (the copy), with and without bias, N not a multiple of 16 or 32."""
+def test_generated_rows_of_q4_1_do_not_depend_on_the_step(n, k):
+    """A generated token's row gives the same bits alone, among few rows or many (runs of 128),
+    and after any number of a prompt's rows in its step, with and without bias, N not a multiple
+    of 16; the prompt's rows there are the prompt kernels' bits."""
     qw = Q.quantize(make_weight(n, k, seed=5), "q4_1")
     desc = gemm.hybrid_weight(qw)
-    assert desc is not None and desc.qt == gemm.QP_Q4_1X
-    assert desc.qp_max_rows == gemm.EXACT_Q4_1_MAX_ROWS == gemm.hybrid_rows(qw) < max(ROWS)
+    assert desc is not None and desc.qx and desc.qt == Q.QTYPES["q4_1"]
     bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     for b in (None, bias):
-        for x, got, want in _batch_and_slices(qw, k, b, seed=7):
+        for x, got, want in _batch_and_slices(qw, k, b, seed=7, linear=_generated):
             assert torch.equal(got, want), (len(x), b is None)
+            for p in {1, len(x) // 2, len(x) - 1} - {0}:
+                mixed = gemm.linear_rows(x, qw, b, p)
+                assert torch.equal(mixed[:p], gemm.linear(x[:p], qw, b)), (len(x), p)
+                assert torch.equal(mixed[p:], got[p:]), (len(x), p)
 
 
 @needs_packing
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
+@pytest.mark.parametrize("exact", [True, False], ids=["generated", "prompt"])
 @pytest.mark.parametrize("m", [1, 3, 200])
-def test_exact_q4_1_is_its_exact_product_rounded_once(request, exact, m):
-    """Against the exact product (fp64) with the exact dequantized weights: with the opt-in at
-    least 99 % of the outputs are it rounded to bf16 (measured 99.8-99.9 %), the rest within the
-    fp32 sums' rounding; by default (the weights' bf16 rounding) ~57 %."""
-    if exact:
-        request.getfixturevalue("bf16_exact_q4_1")
+def test_generated_rows_of_q4_1_are_the_exact_product_rounded_once(exact, m):
+    """Against the exact product (fp64) with the exact dequantized weights: for a generated
+    token's rows at least 99 % of the outputs are it rounded to bf16 (measured 99.8-99.9 %), the
+    rest within the fp32 sums' rounding; a prompt's (the weights' bf16 rounding) ~57 %."""
     n, k = 576, 1536
     qw = Q.quantize(make_weight(n, k, seed=8), "q4_1")
     assert gemm.hybrid_weight(qw) is not None
     w = Q.dequantize_reference(qw).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     exact_y = x.double() @ w.T
-    got = gemm.linear(x, qw)
+    got = _generated(x, qw) if exact else gemm.linear(x, qw)
     share = float((got == exact_y.to(torch.bfloat16)).double().mean())
     if not exact:
         assert share < 0.7
@@ -107,10 +117,9 @@ def test_exact_q4_1_is_its_exact_product_rounded_once(request, exact, m):
 
 
 @needs_packing
-@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
-def test_thread_count_does_not_change_the_bits(request, exact):
-    if exact:
-        request.getfixturevalue("bf16_exact_q4_1")
+@pytest.mark.parametrize("exact", [False, True], ids=["prompt", "generated"])
+def test_thread_count_does_not_change_the_bits(exact):
+    linear = _generated if exact else gemm.linear
     qw = Q.quantize(make_weight(960, 576, seed=9), "q4_1")
     assert gemm.hybrid_weight(qw) is not None
     for m in (3, 200):  # the blocks, the copy
@@ -118,9 +127,9 @@ def test_thread_count_does_not_change_the_bits(request, exact):
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            one = gemm.linear(x, qw)
+            one = linear(x, qw)
             torch.set_num_threads(2)
-            two = gemm.linear(x, qw)
+            two = linear(x, qw)
         finally:
             torch.set_num_threads(before)
         assert torch.equal(one, two), m
@@ -136,15 +145,3 @@ def test_other_formats_and_fp32_x_keep_the_quantized_kernels():
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(13))
     exact = x.double() @ Q.dequantize_reference(qw).double().T
     torch.testing.assert_close(gemm.linear(x, qw).double(), exact, atol=1e-4, rtol=1e-5)
-
-
-def test_bf16_exact_q4_1_setting_names_what_is_allowed(monkeypatch):
-    from pdserve import envs
-
-    assert envs.bf16_exact_q4_1() is False
-    monkeypatch.setenv("PDSERVE_BF16_EXACT_Q4_1", "1")
-    assert envs.bf16_exact_q4_1() is True
-    for bad in ("2", "yes", "-1"):
-        monkeypatch.setenv("PDSERVE_BF16_EXACT_Q4_1", bad)
-        with pytest.raises(ValueError, match=r"use 1 \(exact values\) or 0"):
-            envs.bf16_exact_q4_1()
