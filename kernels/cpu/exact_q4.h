@@ -3,7 +3,7 @@
  * (decode; included by packed_q4.h, whose qt QP_Q4_1X it is, pdserve_linear_hybrid_rows). A
  * prompt's rows keep the bf16 rounding of the weights (packed_q4.h), whose prefill runs on the
  * packed bf16 kernel near the vdpbf16ps peak: this arithmetic's fold, two FMAs per 16 vdpbf16ps,
- * made prefill 0.89x where every row took it (a many-rows copy, measured 2026-11-30 on a Zen 4).
+ * made prefill 0.89x where every row took it (with a copy for many rows; 2026-11-30, a Zen 4).
  * Each kind's outputs are the same bits whatever else a step batches.
  *
  * The arithmetic. A Q4_1 weight is d q + m (q = 0..15, d and m fp16). 128 + q is exact in bf16,
@@ -70,15 +70,27 @@ static inline void q4x_sums(const uint16_t *x, int64_t K, float *xs) {
     }
 }
 
-/* bias[n0 .. n0 + 15] (masked) widened, or 0: added to every output, so -0 sums alike */
-static inline __m512 q4x_bias(const uint16_t *bias, int64_t n0, __mmask16 mask) {
-    if (!bias) return _mm512_setzero_ps();
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-}
-
-static inline __mmask16 q4x_mask(int64_t rem) {
-    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+/* The outputs of a tile, groups g .. g + ng - 1 and rows 0 .. mr-1 (this kernel's and
+ * packed_q4.h's qp_tile): y[r][16 (g + j) + i] = bf16(acc[j][r] + bias), masked past N; the bias
+ * (or 0) is added to every output, so that -0 sums alike in every kernel. */
+static inline __attribute__((always_inline)) void q4_tile_store(__m512 acc[Q4NG][Q4MR], int64_t g,
+                                                                 int ng, int mr,
+                                                                 const uint16_t *bias,
+                                                                 uint16_t *y, int64_t N) {
+    UNROLL for (int j = 0; j < Q4NG; j++) {
+        if (j >= ng) break;
+        const int64_t n0 = (g + j) * Q4G, rem = N - n0;
+        const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+        UNROLL for (int r = 0; r < Q4MR; r++) {
+            if (r >= mr) break;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
+            _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
+        }
+    }
 }
 
 /* A block's d and m - 128 d for 16 outputs, from their fp16 d at dm and m at dm + 32. */
@@ -140,15 +152,5 @@ static inline __attribute__((always_inline)) void q4x_tile(const uint16_t *x, co
             }
         }
     }
-    UNROLL for (int j = 0; j < Q4NG; j++) {
-        if (j >= ng) break;
-        const int64_t n0 = (g + j) * Q4G;
-        const __mmask16 mask = q4x_mask(N - n0);
-        const __m512 bv = q4x_bias(bias, n0, mask);
-        UNROLL for (int r = 0; r < Q4MR; r++) {
-            if (r >= mr) break;
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
-            _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
-        }
-    }
+    q4_tile_store(acc, g, ng, mr, bias, y, N);
 }

@@ -161,20 +161,7 @@ static inline __attribute__((always_inline)) void qp_tile(const uint16_t *x, int
             }
         }
     }
-    UNROLL for (int j = 0; j < Q4NG; j++) {
-        if (j >= ng) break;
-        const int64_t n0 = (g + j) * Q4G, rem = N - n0;
-        const __mmask16 mask = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias)
-            bv = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
-        UNROLL for (int r = 0; r < Q4MR; r++) {
-            if (r >= mr) break;
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][r], bv));
-            _mm256_mask_storeu_epi16(y + r * N + n0, mask, out);
-        }
-    }
+    q4_tile_store(acc, g, ng, mr, bias, y, N);
 }
 
 /* The rows of pass j when M rows go in passes of at most Q4MR, as even as can be (32 = 10 + 11 +

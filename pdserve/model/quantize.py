@@ -120,11 +120,13 @@ def weight_tiers(model: LlamaForCausalLM) -> tuple[tuple[int, int, bool], ...]:
     than ``rows`` prompt tokens, where ``prompt_only``) reads ``extra`` bytes more than
     ``weight_bytes`` counts, where a bf16 model's blocks give way to their copies (the CPU
     backend's ``hybrid_tier``; a Q4_1 weight's blocks serve generated tokens at any count)."""
+    tier = getattr(model.ops, "hybrid_tier", None)  # the CPU backend's, for a bf16 model
+    if tier is None:
+        return ()
     extra: dict[tuple[int, bool], int] = {}
-    tier = getattr(model.ops, "hybrid_tier", None)
     seen: set[int] = set()
     for m in model.modules():
-        if tier is None or not _quantized(m) or id(m.weight) in seen:
+        if not _quantized(m) or id(m.weight) in seen:
             continue
         seen.add(id(m.weight))
         t = tier(m.weight)
