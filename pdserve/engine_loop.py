@@ -62,6 +62,25 @@ class _Command:
         self.fail = fail
 
 
+# What a stream interval of None (auto, the workers' default) stands for when the engine's steps
+# fill every core the worker may run on. Each message a request's tokens go on in costs its hops
+# CPU (worker event loop, gateway, client: ~1.4 ms a token on a 2-core Zen 4, three quarters of it
+# in grpc.aio's own machinery), which then preempts one of the step's threads and makes the other
+# wait at the next barrier; at 25 ms a one-user stream's ~4.4 ms steps send ~5 tokens a message.
+# A step slower than this sends every token at once anyway (docs/benchmarks.md).
+AUTO_STREAM_INTERVAL_S = 0.025
+
+
+def auto_stream_interval(device: torch.device, threads: int, cores: int) -> float:
+    """The stream interval (seconds) auto stands for: AUTO_STREAM_INTERVAL_S when a CPU engine's
+    ``threads`` (its most: borrowed cores' included) leave none of the worker's ``cores`` free for
+    the messages, else 0 (every token at once: on a free core, or beside a GPU's steps, the
+    messages cost the steps nothing)."""
+    if device.type != "cpu" or threads < cores:
+        return 0.0
+    return AUTO_STREAM_INTERVAL_S
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -70,15 +89,16 @@ class EngineLoop:
         warm_up: bool = True,
         borrow_cpus: frozenset[int] = frozenset(),
         may_borrow: Callable[[], bool] | None = None,
-        stream_interval_s: float = 0.0,
+        stream_interval_s: float | None = 0.0,
     ) -> None:
         """``step_seconds(s)`` is told how long each step took (a metric); ``warm_up``: two
         short generations before serving (``_warm_up``); ``borrow_cpus``: cores beyond the
         engine thread's own whose time its steps also use while ``may_borrow()`` (engine thread,
         before each step) says that their owner is idle (``_borrow``); ``stream_interval_s``: a
         request's outputs are handed to its stream at most this often, those between merged
-        (``_coalesce``; 0: each step's at once)."""
-        if not stream_interval_s >= 0:
+        (``_coalesce``; 0: each step's at once; None: ``auto_stream_interval``, decided when the
+        engine thread starts)."""
+        if stream_interval_s is not None and not stream_interval_s >= 0:
             raise ValueError(f"the stream interval must be >= 0 seconds, got {stream_interval_s}")
         self.stream_interval_s = stream_interval_s
         # engine thread: outputs held back, and when each request's were last handed on
@@ -268,6 +288,21 @@ class EngineLoop:
             "engine.borrowing", own_cpus=sorted(own), borrowed_cpus=sorted(extra), threads=n_own
         )
 
+    def _auto_stream_interval(self) -> None:
+        """Engine thread, before serving: the stream interval auto stands for, with the threads
+        the steps use at most and the cores the worker may run on (its own and borrowed)."""
+        threads = self._threads[1] if self._threads else torch.get_num_threads()
+        cores = len(os.sched_getaffinity(0) | self.borrow_cpus)
+        device = self.engine.runner.device
+        self.stream_interval_s = auto_stream_interval(device, threads, cores)
+        telemetry.logger().info(
+            "engine.stream_interval",
+            ms=self.stream_interval_s * 1000,
+            threads=threads,
+            cores=cores,
+            device=device.type,
+        )
+
     def _threads_for_step(self) -> None:
         """Engine thread: the borrowed cores' threads join the next step if ``may_borrow()``."""
         if self._threads is None:
@@ -281,6 +316,8 @@ class EngineLoop:
         try:
             if self.borrow_cpus and self._may_borrow is not None:
                 self._borrow()
+            if self.stream_interval_s is None:
+                self._auto_stream_interval()
             # Tensors made in a step are inference tensors; hooks that run after it (and buffers
             # that the transport reuses across steps) must be in inference mode too.
             with torch.inference_mode():

@@ -122,7 +122,10 @@ def worker_options(args):
         cluster_token=cluster_token(args),
         roofline=args.roofline,
         borrow_cpus=getattr(args, "borrow_cpus", frozenset()),  # prefill and decode only
-        stream_interval_s=getattr(args, "stream_interval", 0.0) / 1000,  # decode, colocated
+        # decode, colocated: seconds, None for auto; a prefill worker streams nothing (0)
+        stream_interval_s=None
+        if (ms := getattr(args, "stream_interval", 0.0)) is None
+        else ms / 1e3,
     )
 
 

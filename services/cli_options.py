@@ -15,15 +15,32 @@ from pdserve import envs
 KV_TRANSPORTS = ("ucx", "loopback")
 
 
+def stream_interval(text: str) -> float | None:
+    """``--stream-interval``: milliseconds (>= 0), or auto (None)."""
+    if text == "auto":
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = float("nan")
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(
+            f"--stream-interval is auto or milliseconds >= 0 (0: every token at once), got {text!r}"
+        )
+    return ms
+
+
 def stream_interval_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream-interval",
-        type=float,
-        default=0.0,
-        metavar="MS",
+        type=stream_interval,
+        default=None,
+        metavar="MS|auto",
         help="send each request's new tokens at most every MS milliseconds, those produced "
         "meanwhile in one message (the first and the last at once); fewer messages leave more "
-        "CPU to the steps when tokens come faster than that (default 0: every token at once)",
+        "CPU to the steps when tokens come faster than that. auto (default): 25 when the "
+        "engine's threads fill every core the worker may run on (a CPU engine), else 0 (every "
+        "token at once)",
     )
 
 

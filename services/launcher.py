@@ -152,11 +152,12 @@ def engine_argv(args) -> list[str]:
 
 def stream_argv(args, role: str) -> list[str]:
     """What a worker of ``role`` gets of ``pdserve up --stream-interval``: decode and colocated
-    workers stream the tokens; a prefill worker returns only the first."""
+    workers stream the tokens; a prefill worker returns only the first. Auto (None) is every
+    worker's default: nothing to pass."""
+    if role == "prefill" or args.stream_interval is None:
+        return []
     if not args.stream_interval >= 0:
         raise ValueError(f"--stream-interval must be >= 0 ms, got {args.stream_interval:g}")
-    if role == "prefill" or not args.stream_interval:
-        return []
     return ["--stream-interval", f"{args.stream_interval:g}"]
 
 

@@ -67,12 +67,13 @@ class WorkerOptions:
     # engine's steps also take while that one is idle (pdserve/engine_loop.py EngineLoop._borrow)
     borrow_cpus: frozenset[int] = frozenset()
     # decode and colocated workers: a request's tokens go to the gateway at most this often,
-    # those produced between in one message (pdserve/engine_loop.py EngineLoop._coalesce)
-    stream_interval_s: float = 0.0
+    # those produced between in one message (pdserve/engine_loop.py EngineLoop._coalesce);
+    # None: auto (engine_loop.auto_stream_interval)
+    stream_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         lifecycle.check(self.drain_timeout_s, self.stall_timeout_s)
-        if not self.stream_interval_s >= 0:
+        if self.stream_interval_s is not None and not self.stream_interval_s >= 0:
             raise ValueError(
                 f"--stream-interval must be >= 0 ms, got {self.stream_interval_s * 1000:g}"
             )

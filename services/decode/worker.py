@@ -128,11 +128,11 @@ class DecodeWorker:
         transport: KVTransport | None,
         metrics: WorkerMetrics | None = None,
         borrow_cpus: frozenset[int] = frozenset(),
-        stream_interval_s: float = 0.0,
+        stream_interval_s: float | None = None,
     ) -> None:
         """``borrow_cpus``: the cores of the prefill worker beside it, which its engine's steps
         also use while no KV is on its way here (EngineLoop._borrow); ``stream_interval_s``: a
-        request's tokens are handed on at most this often (EngineLoop._coalesce)."""
+        request's tokens are handed on at most this often (EngineLoop._coalesce; None: auto)."""
         self.engine = engine
         self.transport = transport
         self.metrics = metrics or WorkerMetrics()

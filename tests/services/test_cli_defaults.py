@@ -301,20 +301,41 @@ def test_pdserve_up_threads_are_each_workers_whichever_option_says_so():
 
 def test_the_stream_interval_reaches_the_workers_that_stream():
     """`pdserve up --stream-interval 10`: the decode and colocated workers hand a request's tokens
-    on at most every 10 ms; a prefill worker returns only the first token and gets nothing."""
+    on at most every 10 ms; a prefill worker returns only the first token and gets nothing. auto
+    (None) is every streaming worker's default, and `pdserve up`'s passes nothing on."""
     from pdserve.services.launcher import stream_argv
 
     up = build_parser().parse_args(["up", "--stream-interval", "10"])
     for role in ("decode", "colocated"):
         worker = build_parser().parse_args([role, *stream_argv(up, role)])
         assert serve_cli.worker_options(worker).stream_interval_s == 0.01
+        for argv in ([role], [role, "--stream-interval", "auto"]):
+            assert (
+                serve_cli.worker_options(build_parser().parse_args(argv)).stream_interval_s is None
+            )
+        worker = build_parser().parse_args([role, "--stream-interval", "0"])
+        assert serve_cli.worker_options(worker).stream_interval_s == 0
     assert stream_argv(up, "prefill") == []
-    assert stream_argv(build_parser().parse_args(["up"]), "decode") == []
-    assert serve_cli.worker_options(build_parser().parse_args(["decode"])).stream_interval_s == 0
+    for argv in (["up"], ["up", "--stream-interval", "auto"]):
+        assert stream_argv(build_parser().parse_args(argv), "decode") == []
+    assert stream_argv(build_parser().parse_args(["up", "--stream-interval", "0"]), "decode") == [
+        "--stream-interval",
+        "0",
+    ]
     with pytest.raises(SystemExit):  # a prefill worker has no such option
         build_parser().parse_args(["prefill", "--stream-interval", "10"])
-    with pytest.raises(ValueError, match="--stream-interval must be >= 0 ms, got -5"):
-        stream_argv(build_parser().parse_args(["up", "--stream-interval", "-5"]), "decode")
+
+
+@pytest.mark.parametrize("value", ["-5", "fast", "nan"])
+def test_a_stream_interval_that_is_not_auto_or_milliseconds_is_refused(value, capsys):
+    for argv in (["up"], ["decode"], ["colocated"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, "--stream-interval", value])
+        err = capsys.readouterr().err
+        assert (
+            f"--stream-interval is auto or milliseconds >= 0 (0: every token at once), got {value!r}"
+            in err
+        )
 
 
 def test_the_transport_choices_are_the_transfer_packages_and_building_the_cli_needs_no_torch():
