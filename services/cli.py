@@ -106,6 +106,7 @@ def worker_options(args):
     """The WorkerOptions of a worker command's parsed ``args``."""
     from pdserve.services.main import WorkerOptions
 
+    stream_ms = getattr(args, "stream_interval", 0.0)  # decode, colocated; a prefill worker's: 0
     return WorkerOptions(
         role=args.command,
         engine=engine_config(args),
@@ -122,10 +123,7 @@ def worker_options(args):
         cluster_token=cluster_token(args),
         roofline=args.roofline,
         borrow_cpus=getattr(args, "borrow_cpus", frozenset()),  # prefill and decode only
-        # decode, colocated: seconds, None for auto; a prefill worker streams nothing (0)
-        stream_interval_s=None
-        if (ms := getattr(args, "stream_interval", 0.0)) is None
-        else ms / 1e3,
+        stream_interval_s=None if stream_ms is None else stream_ms / 1000,  # None: auto
     )
 
 
