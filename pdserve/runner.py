@@ -151,7 +151,7 @@ class ModelRunner:
         """Bytes of the weights a decode step reads (each tensor once, quantized or dense)."""
         return weight_bytes(self.model)
 
-    def weight_tiers(self) -> tuple[tuple[int, int], ...]:
+    def weight_tiers(self) -> tuple[tuple[int, int, bool], ...]:
         """What larger steps read more (``roofline.ModelCost.weight_tiers``)."""
         return weight_tiers(self.model)
 

@@ -21,7 +21,7 @@
  * rounding. The 128 adds 128 X to S and the m - 128 d term takes it off again: S is larger than
  * sum q x by up to ~16x, which costs ~4 bits of its 24, far under the output's bf16 rounding.
  *
- * Few rows (pdserve_pack_q4x, 320 bytes per group of 16 outputs and block, as packed_q4.h's
+ * Few rows (pdserve_pack_blocks' QP_Q4_1X, 320 bytes per group of 16 outputs and block, as packed_q4.h's
  * Q4_1 layout, pdserve_qp_bytes): [0, 32) d, [32, 64) m of the group's 16 outputs (fp16), then
  * 4 runs of 64 bytes, run c for the pairs p = 4 c .. 4 c + 3: 32 words, word 2 i + h holding in
  * its nibble j the q of output 16 g + i at k = 2 (4 c + j) + h. Shifted right by 4 j and masked,
@@ -32,32 +32,6 @@
  */
 #define Q4X_AHEAD 8     /* blocks prefetched ahead in each group (into L2: T0 ran at 0.6x) */
 #define Q4X_RUN 128     /* rows of x per call at most (their block sums live on the stack) */
-
-static inline uint8_t q4x_nibble(const uint8_t *block, int v) { /* GGUF Q4_1: value v of 32 */
-    return v < 16 ? block[4 + v] & 15 : block[4 + v - 16] >> 4;
-}
-
-void pdserve_pack_q4x(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out,
-                      int32_t num_threads) {
-    const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t kb = 0; kb < kbs; kb++) {
-            uint8_t *o = out + (g * kbs + kb) * Q4GB;
-            memset(o, 0, Q4GB);
-            for (int i = 0; i < Q4G; i++) {
-                const int64_t n = g * Q4G + i;
-                if (n >= N) continue; /* d = m = 0, q = 0 */
-                const uint8_t *b = blocks + (n * kbs + kb) * 20;
-                memcpy(o + 2 * i, b, 2), memcpy(o + 32 + 2 * i, b + 2, 2);
-                for (int v = 0; v < 32; v++) { /* k = 2 (4 c + j) + h */
-                    const int p = v / 2, c = p / 4, j = p % 4, h = v % 2;
-                    uint16_t *word = (uint16_t *)(o + 64 + 64 * c) + 2 * i + h;
-                    *word |= (uint16_t)(q4x_nibble(b, v) << (4 * j));
-                }
-            }
-        }
-}
 
 /* xs[b] = sum of x[32 b .. 32 b + 31] (bf16), b < K / 32, in one fixed order. */
 static inline void q4x_sums(const uint16_t *x, int64_t K, float *xs) {

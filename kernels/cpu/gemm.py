@@ -158,19 +158,24 @@ def hybrid_available() -> bool:
     return _packing() is not None
 
 
-def _made_hybrid(weight) -> HybridWeight | None:
+def _hybrid_entry(weight) -> tuple[weakref.ref, HybridWeight, tuple[torch.Tensor, ...]] | None:
     entry = _hybrids.get(id(weight))
-    return entry[1] if entry is not None and entry[0]() is weight else None
+    return entry if entry is not None and entry[0]() is weight else None
+
+
+def _made_hybrid(weight) -> HybridWeight | None:
+    entry = _hybrid_entry(weight)
+    return None if entry is None else entry[1]
 
 
 def hybrid_tier(weight) -> tuple[int, int, bool] | None:
     """For a weight made a hybrid: (``HYBRID_MAX_ROWS``, the bytes its packed copy reads beyond
     its blocks', whether only a prompt's rows read it: a Q4_1 weight's generated rows read its
     blocks at any count); else None."""
-    entry = _hybrids.get(id(weight))
-    if entry is None or entry[0]() is not weight:
+    entry = _hybrid_entry(weight)
+    if entry is None:
         return None
-    desc, kept = entry[1], entry[2]
+    _, desc, kept = entry
     return desc.qp_max_rows, kept[0].nbytes - weight.nbytes, bool(desc.qx)
 
 
@@ -277,11 +282,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """See ``reference.linear``; which kernel takes which inputs: see the module's docstring.
     A ``QuantizedWeight`` goes to the hybrid (bf16 x, Q4_1/Q8_0, AVX512-BF16) or ``quant.linear``."""
     if isinstance(weight, quant.QuantizedWeight):
-        if x.dtype == torch.bfloat16 and _hybrid_ok(x, weight, bias):
-            hybrid = hybrid_weight(weight)
-            if hybrid is not None:
-                return _linear_hybrid(x, hybrid, weight.shape, bias)
-        return quant.linear(x, weight, bias)
+        y = _hybrid_linear(x, weight, bias)
+        return y if y is not None else quant.linear(x, weight, bias)
     packing = _packing() if x.dtype == torch.bfloat16 else None
     max_rows = 1 << 62 if packing is not None else LINEAR_MAX_ROWS.get(x.dtype, 0)
     if not _linear_native_ok(x, weight, bias, max_rows):
@@ -337,6 +339,18 @@ def _hybrid_ok(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
     )
 
 
+def _hybrid_linear(x: torch.Tensor, weight, bias, prompt_rows: int | None = None):
+    """A quantized ``weight``'s product on its hybrid (bf16 x, a weight ``hybrid_weight`` takes),
+    else None. ``prompt_rows``: ``pdserve_linear_hybrid_rows`` (the rest generated rows, on the
+    exact values where the weight has them); None: every row a prompt's."""
+    if x.dtype != torch.bfloat16 or not _hybrid_ok(x, weight, bias):
+        return None
+    hybrid = hybrid_weight(weight)
+    if hybrid is None:
+        return None
+    return _linear_hybrid(x, hybrid, weight.shape, bias, prompt_rows)
+
+
 def _linear_hybrid(
     x: torch.Tensor, hybrid: HybridWeight, shape, bias, prompt_rows: int | None = None
 ) -> torch.Tensor:
@@ -367,12 +381,8 @@ def linear_rows(
     generated ones (decode), which a bf16 model's Q4_1 hybrids multiply on their exact weights
     (exact_q4.h; prompt rows on their bf16 rounding, as ``linear`` does every row): a token's
     outputs are the same bits whatever else the step holds."""
-    if (
-        isinstance(weight, quant.QuantizedWeight)
-        and x.dtype == torch.bfloat16
-        and _hybrid_ok(x, weight, bias)
-    ):
-        hybrid = hybrid_weight(weight)
-        if hybrid is not None and hybrid.qx:
-            return _linear_hybrid(x, hybrid, weight.shape, bias, prompt_rows)
+    if isinstance(weight, quant.QuantizedWeight):
+        y = _hybrid_linear(x, weight, bias, prompt_rows)
+        if y is not None:
+            return y
     return linear(x, weight, bias)

@@ -59,14 +59,11 @@ int64_t pdserve_qp_bytes(int64_t N, int64_t K, int32_t qt) {
 /* GGUF blocks of format qt [N, K/32] into the layouts above (Q4_1: fp16 d, fp16 m, 16 bytes,
  * value j low nibble, value j + 16 high; Q8_0: fp16 d, 32 int8). For Q8_0, after the 16 d, each
  * pair p has 32 bytes: byte i < 16 = q[16 g + i / 2][2 p + i % 2], byte 16 + i = q[16 g + 8 +
- * i / 2][2 p + i % 2]. Outputs past N get d = m = 0. K must be a multiple of 32. */
+ * i / 2][2 p + i % 2]. QP_Q4_1X: Q4_1 blocks into exact_q4.h's layout. Outputs past N get d = m
+ * = 0. K must be a multiple of 32. */
 void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *out, int32_t qt,
                          int32_t num_threads) {
-    if (qt == QP_Q4_1X) {
-        pdserve_pack_q4x(blocks, N, K, out, num_threads);
-        return;
-    }
-    const int q8 = qt == QP_Q8_0;
+    const int q8 = qt == QP_Q8_0, q4x = qt == QP_Q4_1X;
     const int64_t kbs = K / 32, groups = (N + Q4G - 1) / Q4G, gb = q8 ? Q8GB : Q4GB;
     const int64_t block_bytes = q8 ? 34 : 20, head = q8 ? 32 : 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -90,6 +87,16 @@ void pdserve_pack_blocks(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *o
                     q[j][v] = (int8_t)(b[4 + v] & 15);
                     q[j][v + 16] = (int8_t)(b[4 + v] >> 4);
                 }
+            }
+            if (q4x) { /* exact_q4.h's runs: q of output i at k = 2 (4 c + j) + h, word 2 i + h of
+                        * run c, nibble j */
+                for (int i = 0; i < Q4G; i++)
+                    for (int v = 0; v < 32; v++) {
+                        const int p = v / 2, c = p / 4, j = p % 4, h = v % 2;
+                        uint16_t *word = (uint16_t *)(o + 64 + 64 * c) + 2 * i + h;
+                        *word |= (uint16_t)((uint8_t)q[i][v] << (4 * j));
+                    }
+                continue;
             }
             for (int p = 0; p < 16; p++)
                 for (int i = 0; i < 16; i++) {
