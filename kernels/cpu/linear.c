@@ -127,9 +127,12 @@ static inline __attribute__((always_inline)) void tile_dot(const float *x, int64
             __asm__("" : "+x"(wv));
             for (int c = 0; c < nc; c++) acc[c][r] = _mm256_fmadd_ps(xv[c], wv, acc[c][r]);
         }
-        if (next) /* as many bytes of the next tile as this step read of this one */
+        if (next) /* as many bytes of the next tile as this step read of this one, into L2 (the
+                   * default model's 120 projections dense, AVX2 and AVX-512 builds, 2 threads,
+                   * a Zen 4: fp32 0.75-0.89x L1's time at 1-16 rows, bf16 0.84-0.88x at 4-16
+                   * and 0.89-1.04x at one row) */
             for (int b = 0; b < R * 8 * elem; b += 64)
-                _mm_prefetch(next + k * R * elem + b, _MM_HINT_T0);
+                _mm_prefetch(next + k * R * elem + b, _MM_HINT_T1);
     }
     for (int c = 0; c < nc; c++) {
         if (nr == R)
