@@ -115,7 +115,7 @@ def placement_arg(p: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="... nor, while it runs streams, let such prompts take more than this share of its "
         "time: after one of h seconds it takes the next h / FRACTION seconds later at the "
-        "earliest (1: no limit)",
+        "earliest (1: no limit), unless 4 or more prompts wait at the prefill worker per stream",
     )
     p.add_argument(
         "--warm-replies",

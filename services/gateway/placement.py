@@ -41,7 +41,13 @@ the decode worker's core idles meanwhile. So a request is prefilled on its decod
   keeps no credit), so they come spread out, not bunched. Bunched is how they came while one
   long prompt held the prefill worker for seconds and the short ones behind it went to the
   decode worker one after another: the streams that lived through such a bunch set W-mixed's
-  TPOT p99 (docs/benchmarks.md, "The decode worker's own prefills, spread out").
+  TPOT p99 (docs/benchmarks.md, "The decode worker's own prefills, spread out"). Except while
+  the prefill worker holds at least ``DEEP`` (4) prompts per stream (P ≥ 4·S): a decode batch
+  that small is what the share kept it at under W-c32 (32 users, long prompts on one prefill
+  core: ~3 streams, each token ~1.3x the core time it costs in a batch of 10), and W-mixed's
+  placements come at P/S of 1-2. There it takes them as the budget allows, and its batch grows
+  (on a 2-core Zen 4: W-c32 0.96-0.99x colocated's throughput, was 0.90-0.93x; W-mixed's TPOT
+  p99 0.40-0.42x colocated's, was 0.34-0.37x; docs/benchmarks.md, "Prefetching into L2").
 
 Work is counted in prompt tokens to compute: a prompt less the leading blocks the worker is
 expected to hold (``cost.tokens_to_compute``: its heartbeat's prefix summary and what this gateway
@@ -70,6 +76,9 @@ RATE_WEIGHT = 0.2  # of a new measurement in the average
 # A decode worker is starved (may prefill beyond a short prompt) while the prefill worker holds
 # at least this many prompts per stream it runs
 STARVED = 2
+# ... and takes them on without waiting out the share (``decode_prefill_share``) while at least
+# this many wait per stream
+DEEP = 4
 
 SHORT_PROMPT = "short_prompt"
 HELD_HERE = "held_here"
@@ -178,7 +187,11 @@ def decide(
     waiting, streams = w["prefill_prompts"], w["decode_streams"]
     if streams and num_tokens > cfg.decode_prefill_max_tokens:
         return DISAGGREGATED
-    if streams and (now() if t is None else t) < decode.prefill_busy_until:
+    if (
+        streams
+        and waiting < DEEP * streams
+        and (now() if t is None else t) < decode.prefill_busy_until
+    ):
         return DISAGGREGATED  # the last such prompt's share of its time is not over
     if (
         waiting >= STARVED * streams

@@ -299,12 +299,26 @@ def _busy_pair(streams: int) -> tuple[Worker, Worker]:
 
 def test_prompts_taken_on_for_a_busy_prefill_worker_come_a_share_of_the_time_apart():
     cfg = GatewayConfig(decode_prefill_budget_s=0.5, decode_prefill_share=0.2)
-    p, d = _busy_pair(streams=2)
+    p, d = _busy_pair(streams=3)  # 8 prompts waiting for 3 streams: starved, not deeply
     assert placement.decide(400, p, d, cfg, t=100.0) == BUSY
     placement.spread(400, p, d, cfg, 100.0)  # 0.4 s there, at most a fifth of its time: 2 s
     assert placement.decide(400, p, d, cfg, t=101.99) == DISAGGREGATED
     assert placement.decide(400, p, d, cfg, t=102.0) == BUSY
     assert placement.decide(20, p, d, cfg, t=100.5) == placement.SHORT_PROMPT  # not held back
+
+
+def test_a_queue_deep_enough_takes_them_on_within_the_share_wait():
+    """8 prompts waiting for 2 streams (DEEP per stream): the decode batch is too small to protect,
+    so only the budget holds such prompts back; one prompt fewer waiting and the wait holds."""
+    cfg = GatewayConfig(decode_prefill_budget_s=0.5, decode_prefill_share=0.2)
+    p, d = _busy_pair(streams=2)
+    assert p.prompts == placement.DEEP * 2
+    placement.spread(400, p, d, cfg, 100.0)
+    assert d.prefill_busy_until == pytest.approx(102.0)
+    assert placement.decide(400, p, d, cfg, t=100.5) == BUSY
+    p.prompts -= 1
+    assert placement.decide(400, p, d, cfg, t=100.5) == DISAGGREGATED
+    assert placement.decide(400, p, d, cfg, t=102.0) == BUSY
 
 
 def test_a_decode_worker_without_streams_takes_them_as_they_come():
@@ -318,7 +332,7 @@ def test_a_decode_worker_without_streams_takes_them_as_they_come():
 
 def test_a_share_of_one_sets_no_wait():
     cfg = GatewayConfig(decode_prefill_share=1.0)
-    p, d = _busy_pair(streams=2)
+    p, d = _busy_pair(streams=3)
     placement.spread(400, p, d, cfg, 100.0)
     assert placement.decide(400, p, d, cfg, t=100.0) == BUSY
 
