@@ -86,6 +86,7 @@ class Up:
 def start_up(args) -> Up:
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "2"]
     argv += ["--port", "0", "--http-port", "-1", "--dtype", "float32", "--kv-cache-bytes", "1G"]
+    argv += ["--quantization", args.quantization]
     argv += ["--log-format", "json"]
     proc = subprocess.Popen(
         argv,
@@ -188,6 +189,14 @@ def main() -> None:
     p.add_argument("--stop-s", type=float, default=8.0, help="how long a SIGSTOP lasts")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="the workers' --quantization (default none: dense fp32, whose outputs depend neither "
+        "on the batch nor on a resume, so that every difference from the reference is the fault "
+        "handling's; the default model's own 4-bit blocks on fp32 round differently in steps of "
+        "up to 8 rows and of more, docs/architecture.md)",
+    )
     p.add_argument("--log", default="soak-up.log", help="pdserve up's stderr")
     p.add_argument("--json", default=None)
     args = p.parse_args()
