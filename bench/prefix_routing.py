@@ -151,6 +151,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.rounds < 2:
+        p.error(
+            f"--rounds must be at least 2 (rounds alternate between the two policies), got {args.rounds}"
+        )
     policies = (args.against, "cost")
     budget = (
         []
