@@ -7,6 +7,7 @@ import argparse
 
 from pdserve.services import lifecycle
 from pdserve.services.gateway.config import POLICIES, GatewayConfig
+from pdserve.services.gateway.placement import DEEP
 
 from pdserve import envs
 
@@ -115,7 +116,8 @@ def placement_arg(p: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="... nor, while it runs streams, let such prompts take more than this share of its "
         "time: after one of h seconds it takes the next h / FRACTION seconds later at the "
-        "earliest (1: no limit), unless 4 or more prompts wait at the prefill worker per stream",
+        f"earliest (1: no limit), unless {DEEP} or more prompts wait at the prefill worker per "
+        "stream",
     )
     p.add_argument(
         "--warm-replies",
