@@ -15,9 +15,9 @@ import shutil
 import pytest
 import torch
 from pdserve.kernels import quantized as Q
-from pdserve.kernels.cpu import gemm
+from pdserve.kernels.cpu import build, gemm
 
-from tests.kernels.test_quant import make_weight
+from tests.kernels.test_quant import FLAGS, make_weight
 
 needs_packing = pytest.mark.skipif(
     shutil.which("cc") is None or gemm._packing() is None,
@@ -145,3 +145,23 @@ def test_other_formats_and_fp32_x_keep_the_quantized_kernels():
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(13))
     exact = x.double() @ Q.dequantize_reference(qw).double().T
     torch.testing.assert_close(gemm.linear(x, qw).double(), exact, atol=1e-4, rtol=1e-5)
+
+
+@needs_packing
+@pytest.mark.skipif("avx512_vbmi2" not in FLAGS, reason="no AVX512-VBMI2: the one build there is")
+def test_generated_rows_without_vbmi2_are_the_same_bits(tmp_path, monkeypatch):
+    """exact_q4.h takes each word's top nibble in one vpshldw where there is VBMI2 (Zen 4, Ice
+    Lake); a CPU with AVX512-BF16 but no VBMI2 (Cooper Lake) shifts and masks it as the other
+    three. Both builds side by side: the same bits, one row and many, with a bias."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    lib = build.load_library(gemm._SOURCE, extra_flags=("-mno-avx512vbmi2",))
+    n, k = 301, 576
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    x = torch.randn(129, k, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16)
+    native = Q.quantize(make_weight(n, k, seed=16), "q4_1")
+    want = [_generated(x[:m], native, bias) for m in (1, 2, 129)]
+    narrow = Q.quantize(make_weight(n, k, seed=16), "q4_1")
+    monkeypatch.setattr(gemm, "_packing", lambda: gemm._Packing(lib))
+    assert gemm.hybrid_weight(narrow) is not None
+    for m, y in zip((1, 2, 129), want, strict=True):
+        assert torch.equal(_generated(x[:m], narrow, bias), y), m
