@@ -133,8 +133,8 @@ def assert_fp32_sum_close(y: torch.Tensor, ref: torch.Tensor, terms: torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_within_fp32_rounding(isa, reports, name, dtype):
     """Every row count of the direct path's passes (1-8), the tiled C path (9-64, odd counts for
-    partial passes) and the dequantized-tile GEMM above QLINEAR_MAX_ROWS; N not a multiple of 4
-    (the tiled path's partial tile) and several chunks per thread."""
+    partial passes) and the dequantized-tile GEMM above QLINEAR_MAX_ROWS; N not a multiple of the
+    tiled path's weight rows per tile (4; AVX2 6: its partial tile) and several chunks per thread."""
     lib = quant.library(isa)
     n, k = 301, 576
     qw = Q.quantize(make_weight(n, k, seed=2), name)
