@@ -149,8 +149,8 @@ static inline float vhsum(__m256 a) {
 #define RN 4
 #define TC 2
 /* 6 weight rows a tile: 12 accumulators, 15 of the 16 registers. One thread, 20 MB of Q4_1 at
- * 9-64 rows of x on a Zen 4: 0.87-0.95x the time of 4 rows a tile; 3 rows of x a pass (with 4 or
- * 5 weight rows) spilled: 1.3-1.5x. */
+ * 9-64 rows of x on a Zen 4: 0.87-0.98x the time of 4 rows a tile (one run of two 1.05x at 32
+ * and at 64 rows); 3 rows of x a pass (with 4 or 5 weight rows) spilled: 1.3-1.5x. */
 #define RT 6
 #else
 typedef float V;
