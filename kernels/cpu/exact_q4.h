@@ -32,18 +32,21 @@
  */
 #define Q4X_AHEAD 8     /* blocks prefetched ahead in each group (into L2: T0 ran at 0.6x) */
 #define Q4X_RUN 128     /* rows of x per call at most (their block sums live on the stack) */
-/* The top nibble of each word of a run as a bf16 weight in one instruction where there is
- * vpshldw (AVX512-VBMI2: Zen 4 and 5, Ice Lake and later; not Cooper Lake), the same bits as the
- * shift and vpternlogd. Only for one row: on a Zen 4 its tile (4 groups) took 0.91-0.94x the time,
- * from cache or memory, where the unpacking sets the pace; 2 rows 1.01x; from 4 rows, where the
+/* Nibble p of each 16-bit word of a run as the bf16 weight 128 + q: (run >> 4p) & 0xf | 0x4300.
+ * The top nibble, for one row of x where there is vpshldw (AVX512-VBMI2: Zen 4 and 5, Ice Lake
+ * and later; not Cooper Lake), in one instruction whose shift brings in no other bits, 0x0430 << 4
+ * | run >> 12: the same bits. On a Zen 4 a one-row tile (4 groups) took 0.91-0.94x the time, from
+ * cache or memory, where the unpacking sets the pace; 2 rows 1.01x; from 4 rows, where the
  * vdpbf16ps chains do, 1.03-1.06x (vpshldw competes with them). */
+static inline __attribute__((always_inline)) __m512bh q4x_weights(__m512i run, int p, int mr) {
 #ifdef __AVX512VBMI2__
-#define Q4X_SHLD 1
-#define Q4X_TOP(run) ((__m512bh)_mm512_shldi_epi16(_mm512_set1_epi16(0x0430), (run), 4))
-#else
-#define Q4X_SHLD 0
-#define Q4X_TOP(run) ((__m512bh)(run))
+    if (p == 3 && mr == 1)
+        return (__m512bh)_mm512_shldi_epi16(_mm512_set1_epi16(0x0430), run, 4);
 #endif
+    return (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(run, 4 * p),
+                                               _mm512_set1_epi16(0x000f),
+                                               _mm512_set1_epi16(0x4300), 0xEA);
+}
 
 /* xs[b] = sum of x[32 b .. 32 b + 31] (bf16), b < K / 32, in one fixed order. */
 static inline void q4x_sums(const uint16_t *x, int64_t K, float *xs) {
@@ -96,7 +99,6 @@ static inline __attribute__((always_inline)) void q4x_tile(const uint16_t *x, co
                                                             int ng, int mr, const uint16_t *bias,
                                                             uint16_t *y, int64_t N) {
     const int64_t kbs = K / 32, group_bytes = kbs * Q4GB;
-    const __m512i low = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
     __m512 acc[Q4NG][Q4MR];
     UNROLL for (int j = 0; j < Q4NG; j++)
         UNROLL for (int r = 0; r < Q4MR; r++) acc[j][r] = _mm512_setzero_ps();
@@ -118,13 +120,7 @@ static inline __attribute__((always_inline)) void q4x_tile(const uint16_t *x, co
                 const __m512i run = _mm512_loadu_si512((const void *)(b[j] + 64 + 64 * c));
                 UNROLL for (int p = 0; p < 4; p++) {
                     const int64_t k = kb * 32 + 2 * (4 * c + p);
-                    /* (run >> 4p) & 0xf | 0x4300; with VBMI2 and one row the top nibble in
-                     * one vpshldw, whose shift brings in no other bits: 0x0430 << 4 | run >> 12 */
-                    const __m512bh wv =
-                        Q4X_SHLD && p == 3 && mr == 1
-                            ? Q4X_TOP(run)
-                            : (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(run, 4 * p),
-                                                                  low, one28, 0xEA);
+                    const __m512bh wv = q4x_weights(run, p, mr);
                     UNROLL for (int r = 0; r < Q4MR; r++) {
                         if (r >= mr) break;
                         int32_t pair;
