@@ -131,12 +131,14 @@ def assert_fp32_sum_close(y: torch.Tensor, ref: torch.Tensor, terms: torch.Tenso
 @pytest.mark.parametrize("isa,reports", ISAS)
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_linear_within_fp32_rounding(isa, reports, name, dtype):
+@pytest.mark.parametrize("n,k", [(301, 576), (37, 1376)], ids=["K576", "K1376"])
+def test_linear_within_fp32_rounding(isa, reports, name, dtype, n, k):
     """Every row count of the direct path's passes (1-8), the tiled C path (9-64, odd counts for
     partial passes) and the dequantized-tile GEMM above QLINEAR_MAX_ROWS; N not a multiple of the
-    tiled path's weight rows per tile (4; AVX2 6: its partial tile) and several chunks per thread."""
+    tiled path's weight rows per tile (4; AVX2 6: its partial tile) and several chunks per thread.
+    K 1376 (43 blocks) takes the tiled path's k in uneven chunks (AVX2 15 + 15 + 13 blocks,
+    AVX-512 and portable 22 + 21), the sums carried from one to the next."""
     lib = quant.library(isa)
-    n, k = 301, 576
     qw = Q.quantize(make_weight(n, k, seed=2), name)
     w64 = Q.dequantize_reference(qw).double()
     g = torch.Generator().manual_seed(3)
