@@ -13,7 +13,7 @@ kernel (gemm.linear) vs torch's F.linear, ms per step and GB/s of weights read.
 
 quant: the same projections quantized (Q4_1, Q4_0, Q8_0; each layer its own weights, 84-143 MB,
 so they stream from memory), a few rows of fp32 x, quant.c's AVX-512 and AVX2 builds, ms per step
-and GB/s of packed weights read (up to QV_MAX_ROWS rows: the integer path too, on the same
+and GB/s of packed weights read (up to quant.integer_rows() rows: the integer path too, on the same
 weights, where the build has it); with --quant-baseline OTHER.c (e.g. `git show
 main:kernels/cpu/quant.c > /tmp/quant_main.c`) that source too, alternating call by call in one
 run, and the ratio.
@@ -286,7 +286,7 @@ def bench_quant(rows: list[int], repeats: int, threads: int, baseline: str | Non
                 times: dict[str, list[float]] = {name: [] for name in libs}
                 lib = libs["this"]
                 copies = [quant.integer_copy(w, lib) for w in weights]
-                integer = m <= quant.QV_MAX_ROWS and all(v is not None for v in copies)
+                integer = m <= quant.integer_rows(lib) and all(v is not None for v in copies)
                 if integer:  # this tree's integer path (Q4_1, fp32 x) on the same weights
                     times["integer"] = []
                 for _ in range(repeats + 1):  # the first round warms up

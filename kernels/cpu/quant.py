@@ -1,8 +1,11 @@
 """CPU kernels for quantized weights (``quant.c``): ``linear`` and the embedding lookup on a
 ``QuantizedWeight`` (``kernels/quantized.py``), the GGUF blocks read as they are.
 
-- Up to ``QLINEAR_MAX_ROWS`` rows of x (decode): in C, the weights streamed once per pass and
-  dequantized in registers (few rows) or a few rows at a time into an L1 scratch (more rows).
+- fp32 x on Q4_1 (and Q8_0 with AVX-512 VNNI), up to ``integer_rows`` rows (AVX2 8; VNNI any,
+  a prompt's too): in integer arithmetic on a repacked copy of the blocks (``quant_int.h``).
+- Otherwise up to ``QLINEAR_MAX_ROWS`` rows of x (decode): in C, the weights streamed once per
+  pass and dequantized in registers (few rows) or a few rows at a time into an L1 scratch (more
+  rows).
 - More rows (prefill): the weight dequantized into one fp32 buffer (whole, or ``TILE_BYTES`` of
   rows at a time when larger than ``WHOLE_BYTES``) and multiplied by torch's GEMM into a
   row-major output.
@@ -31,7 +34,6 @@ ISA_FLAGS = {isa: ("-ffp-contract=off", *flags) for isa, flags in build.ISA_FLAG
 ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
 # Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
 QLINEAR_MAX_ROWS = 64
-QV_MAX_ROWS = 8  # most rows of x for the integer path (quant_int.h)
 TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
 WHOLE_BYTES = 16 << 20  # prefill dequantizes a weight whole up to this many fp32 bytes
 Q4_1, Q8_0 = QTYPES["q4_1"], QTYPES["q8_0"]
@@ -66,6 +68,7 @@ def load(source: Path, isa: str) -> ctypes.CDLL:
         fn.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I32]
         fn.restype = None
     lib.pdserve_qv_available.restype = ctypes.c_int
+    lib.pdserve_qv_max_rows.restype = _I64
     lib.pdserve_qv_bytes.argtypes = [_I64, _I64, _I32]
     lib.pdserve_qv_bytes.restype = _I64
     lib.pdserve_qv_pack.argtypes = [_P, _I64, _I64, _I32, _P, _I32]
@@ -162,7 +165,8 @@ def linear(
         return y if bias is None else y + bias
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    if m > QLINEAR_MAX_ROWS:
+    v = integer_copy(w, lib) if x.dtype == torch.float32 and m <= integer_rows(lib) else None
+    if m > QLINEAR_MAX_ROWS and v is None:
         y = _tiled(x2.float(), w, lib)
         if bias is not None:
             y = y + bias.float()
@@ -170,7 +174,6 @@ def linear(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty(m, n, dtype=x.dtype)
-    v = integer_copy(w, lib) if x.dtype == torch.float32 and m <= QV_MAX_ROWS else None
     if v is not None and not lib.pdserve_qlinear_v(
         x2.data_ptr(),
         v.data_ptr(),
@@ -214,6 +217,13 @@ def descriptor(w: QuantizedWeight) -> QDesc:
 _integer: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+def integer_rows(lib: ctypes.CDLL | None = None) -> int:
+    """The most rows of fp32 x the build's integer path takes (``quant_int.h``'s QV_MAX_ROWS:
+    every count with AVX-512 VNNI, 8 with AVX2), 0 where it has none."""
+    lib = lib or library()
+    return int(lib.pdserve_qv_max_rows()) if _integer_width(lib) else 0
+
+
 @functools.cache
 def _integer_width(lib: ctypes.CDLL) -> int:
     """The build's integer path (512: AVX-512 VNNI, 256: AVX2), 0 without one or when
@@ -222,8 +232,8 @@ def _integer_width(lib: ctypes.CDLL) -> int:
 
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """``w``'s blocks repacked for the integer path (``quant_int.h``: fp32 x, up to QV_MAX_ROWS
-    rows; Q4_1 with AVX2 or AVX-512 VNNI, Q8_0 with AVX-512 VNNI), made on first use and dropped
+    """``w``'s blocks repacked for the integer path (``quant_int.h``: fp32 x, up to
+    ``integer_rows`` rows; Q4_1 with AVX2 or AVX-512 VNNI, Q8_0 with AVX-512 VNNI), made on first use and dropped
     with ``w``; None where the build has no such path for ``w``'s format (``PDSERVE_QUANT_ISA``,
     the CPU, ``PDSERVE_QUANT_INTEGER=0``) or N % 16 != 0. The blocks stay too: more rows
     (prefill) and the embedding lookup dequantize them."""

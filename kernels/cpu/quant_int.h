@@ -47,7 +47,15 @@
 #define QVGB 320        /* bytes per group and block of 32 k: Q4_1 */
 #define QVGB8 544       /* Q8_0 (AVX-512 VNNI only) */
 #define QV_MR 4         /* rows of x per pass over the weights */
-#define QV_MAX_ROWS 8   /* most rows of x the integer path takes */
+/* Most rows of x the integer path takes. AVX-512 VNNI: all (one thread, forty Q4_1 weights of
+ * 1536 x 576 and 576 x 1536 on a Zen 4, per row against quant.c's float paths: 9-64 rows
+ * 0.58-0.78x, 128-512 rows 0.74-0.79x of what torch's GEMM on the dequantized weight takes; Q8_0
+ * alike). AVX2: 8 (from 6 rows the float path's tiles take as long, from 9 less). */
+#if QV == 512
+#define QV_MAX_ROWS INT64_MAX
+#else
+#define QV_MAX_ROWS 8
+#endif
 #define QV_AHEAD 8      /* blocks prefetched ahead (AVX2: into L1) */
 /* AVX-512: further ahead and into L2. On the Xeon without AVX512-BF16 (family 6 model 207), the
  * 120 projections of the default model (66 MB, Q4_1, M=1, from memory) took 0.93-0.95x the time
@@ -57,6 +65,9 @@
 
 /* The integer path's vector width in bits (512: AVX-512 VNNI, 256: AVX2), 0 in a build without. */
 int pdserve_qv_available(void) { return QV; }
+
+/* The most rows of x it takes (QV_MAX_ROWS), 0 in a build without it. */
+int64_t pdserve_qv_max_rows(void) { return QV ? QV_MAX_ROWS : 0; }
 
 /* Bytes of the layout above for an [N, K] weight of format qt; -1 where it cannot hold one (Q4_1
  * in every build with the path, Q8_0 with AVX-512 VNNI only). */
@@ -330,8 +341,9 @@ static int qv_linear(const float *x, const uint8_t *v, int32_t qt, const float *
     const int64_t kb = K / QK, groups = N / QVG, gb = qt == Q8_0 ? QVGB8 : QVGB;
     XQ *xq = aligned_alloc(64, (size_t)(M * kb) * sizeof(XQ));
     if (!xq) return -1;
-    for (int64_t c = 0; c < M; c++) qv_prepare(x + c * K, K, xq + c * kb);
     if ((double)M * N * K < MIN_PARALLEL || num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= 16)
+    for (int64_t c = 0; c < M; c++) qv_prepare(x + c * K, K, xq + c * kb);
     /* guided: each thread's first chunk is a long run of groups (one stream for the prefetches;
      * dynamic chunks of 4 groups measured 1.14x slower), and the last, small ones go to whichever
      * thread is free, so a thread the OS took off its core for a while (a 2-vCPU box serving:

@@ -115,9 +115,10 @@ def assert_within_bound(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
-    """Every row count it takes (1-8: passes of 4 and partial ones), K of 1 to 65 blocks, 16 to
-    320 rows, with and without bias; blocks of x of very different magnitudes, an all-zero
-    block and a block with one large value among tiny ones."""
+    """Every row count up to 8 (passes of 4 and partial ones) and, where the build takes more
+    (AVX-512 VNNI: every count), 9, 17 and 70 (a prompt's, past quant.QLINEAR_MAX_ROWS); K of 1
+    to 65 blocks, 16 to 320 rows, with and without bias; blocks of x of very different
+    magnitudes, an all-zero block and a block with one large value among tiny ones."""
     lib = quant.library(isa)
     assert lib.pdserve_qv_available() in (256, 512)
     if name == "q8_0" and lib.pdserve_qv_available() != 512:
@@ -134,7 +135,9 @@ def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
             if name == "q8_0":
                 d = qw.data.view(n, k // 32, 34)[..., :2].contiguous().view(torch.float16)[..., 0]
             bias = torch.randn(n, generator=g)
-            for m in range(1, quant.QV_MAX_ROWS + 1):
+            for m in [*range(1, 9), 9, 17, 70]:
+                if m > quant.integer_rows(lib):
+                    break
                 scale = 10.0 ** torch.randint(-6, 6, (m, k // 32, 1), generator=g).double()
                 x = (torch.randn(m, k // 32, 32, generator=g) * scale).float().reshape(m, k)
                 x[0, :32] = 0.0
@@ -152,9 +155,9 @@ def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
 
 @needs_int
 def test_taken_only_where_it_applies(monkeypatch):
-    """Q4_1 with N % 16 == 0 and at most QV_MAX_ROWS rows of fp32 x; other formats (Q4_0; Q8_0
-    without VNNI), shapes, row counts and bf16 x keep the float path (same outputs as its entry
-    point gives)."""
+    """Q4_1 with N % 16 == 0 and fp32 x, up to quant.integer_rows rows (AVX2: 8; AVX-512 VNNI:
+    any, a prompt's too); other formats (Q4_0; Q8_0 without VNNI), shapes, row counts and bf16 x
+    keep the float path (same outputs as its entry point gives)."""
     lib = quant.library()
     k = 96
     q41 = Q.quantize(make_weight(32, k, 5), "q4_1")
@@ -190,8 +193,13 @@ def test_taken_only_where_it_applies(monkeypatch):
     x1 = torch.randn(1, k, generator=g)
     assert torch.equal(quant.linear(x1, q41), direct(x1, q41, integer=True))
     assert not torch.equal(direct(x1, q41, integer=True), direct(x1, q41, integer=False))
-    x9 = torch.randn(quant.QV_MAX_ROWS + 1, k, generator=g)
-    assert torch.equal(quant.linear(x9, q41), direct(x9, q41, integer=False))
+    limit = quant.integer_rows(lib)
+    if limit < quant.QLINEAR_MAX_ROWS:  # AVX2: more rows take the float path
+        xm = torch.randn(limit + 1, k, generator=g)
+        assert torch.equal(quant.linear(xm, q41), direct(xm, q41, integer=False))
+    else:  # AVX-512 VNNI: every count, a prompt's too
+        xm = torch.randn(quant.QLINEAR_MAX_ROWS + 5, k, generator=g)
+        assert torch.equal(quant.linear(xm, q41), direct(xm, q41, integer=True))
     xb = torch.randn(2, k, generator=g).bfloat16()
     assert torch.equal(quant.linear(xb, q41), direct(xb, q41, integer=False))
 
