@@ -233,10 +233,10 @@ def _integer_width(lib: ctypes.CDLL) -> int:
 
 def integer_copy(w: QuantizedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """``w``'s blocks repacked for the integer path (``quant_int.h``: fp32 x, up to
-    ``integer_rows`` rows; Q4_1 with AVX2 or AVX-512 VNNI, Q8_0 with AVX-512 VNNI), made on first use and dropped
-    with ``w``; None where the build has no such path for ``w``'s format (``PDSERVE_QUANT_ISA``,
-    the CPU, ``PDSERVE_QUANT_INTEGER=0``) or N % 16 != 0. The blocks stay too: more rows
-    (prefill) and the embedding lookup dequantize them."""
+    ``integer_rows`` rows; Q4_1 with AVX2 or AVX-512 VNNI, Q8_0 with AVX-512 VNNI), made on first
+    use and dropped with ``w``; None where the build has no such path for ``w``'s format
+    (``PDSERVE_QUANT_ISA``, the CPU, ``PDSERVE_QUANT_INTEGER=0``) or N % 16 != 0. The blocks stay
+    too: the float paths and the embedding lookup read them."""
     lib = lib or library()
     width = _integer_width(lib)
     if w.qtype not in (Q4_1, Q8_0) or not width:
