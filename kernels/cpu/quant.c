@@ -268,7 +268,7 @@ ALWAYS void tile_dot(const float *w, const float *x, int64_t K, int64_t kc, int 
     for (int c = 0; c < nc; c++)
         for (int r = 0; r < nr; r++) acc[c][r] = first ? vzero() : keep[c * RT + r];
     for (int64_t k = 0; k < kc; k += VL) {
-        V xv[TC];
+        V xv[TC] = {vzero()}; /* all set below; this keeps -Wmaybe-uninitialized quiet */
         for (int c = 0; c < nc; c++) {
             xv[c] = vload(x + c * K + k);
 #if QISA

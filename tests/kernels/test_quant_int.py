@@ -116,9 +116,10 @@ def assert_within_bound(
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
 def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
     """Every row count up to 8 (passes of 4 and partial ones) and, where the build takes more
-    (AVX-512 VNNI: every count), 9, 17 and 70 (a prompt's, past quant.QLINEAR_MAX_ROWS); K of 1
-    to 65 blocks, 16 to 320 rows, with and without bias; blocks of x of very different
-    magnitudes, an all-zero block and a block with one large value among tiny ones."""
+    (AVX-512 VNNI: every count), 9, 17, 70 (a prompt's, past quant.QLINEAR_MAX_ROWS) and 131
+    (past the 128 rows quant_int.h takes at a time); K of 1 to 65 blocks, 16 to 320 rows, with
+    and without bias; blocks of x of very different magnitudes, an all-zero block and a block
+    with one large value among tiny ones."""
     lib = quant.library(isa)
     assert lib.pdserve_qv_available() in (256, 512)
     if name == "q8_0" and lib.pdserve_qv_available() != 512:
@@ -135,7 +136,7 @@ def test_outputs_within_fp32_rounding_and_x_representation(isa, threads, name):
             if name == "q8_0":
                 d = qw.data.view(n, k // 32, 34)[..., :2].contiguous().view(torch.float16)[..., 0]
             bias = torch.randn(n, generator=g)
-            for m in [*range(1, 9), 9, 17, 70]:
+            for m in [*range(1, 9), 9, 17, 70, 131]:
                 if m > quant.integer_rows(lib):
                     break
                 scale = 10.0 ** torch.randint(-6, 6, (m, k // 32, 1), generator=g).double()
