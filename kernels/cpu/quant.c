@@ -184,8 +184,8 @@ typedef float V;
 #define RT 4
 #endif
 #define NV (QK / VL)
-/* Blocks of k per chunk of the tiled path: RT rows of them (fp32) in ~16 KiB of L1 (8 or 24 KiB
- * took 1.03-1.09x the time, one thread, AVX2 build, Zen 4). KEEP: where the sums kept between
+/* Blocks of k per chunk of the tiled path: RT rows of them (fp32) in ~16 KiB of L1 (6 or 8 KiB
+ * took 1.03-1.18x the time, 12 KiB 1.00-1.07x; one thread, AVX2 build, Zen 4). KEEP: where the sums kept between
  * chunks start in the scratch, in floats (64-byte aligned). */
 #define KCB ((16 << 10) / (RT * QK * 4))
 #define KEEP ((RT * KCB * QK + 15) / 16 * 16)
@@ -264,11 +264,10 @@ ALWAYS void dequant_block(int qt, const uint8_t *b, float rs, V *w) {
  * loaded again for each w in the AVX-512 one (which then took 1.5-1.9x the time). */
 ALWAYS void tile_dot(const float *w, const float *x, int64_t K, int64_t kc, int nc, int nr,
                      V *keep, int first, int last, float *out) {
-    V acc[TC][RT];
+    V acc[TC][RT], xv[TC] = {vzero()}; /* xv's init: only for -Wmaybe-uninitialized */
     for (int c = 0; c < nc; c++)
         for (int r = 0; r < nr; r++) acc[c][r] = first ? vzero() : keep[c * RT + r];
     for (int64_t k = 0; k < kc; k += VL) {
-        V xv[TC] = {vzero()}; /* all set below; this keeps -Wmaybe-uninitialized quiet */
         for (int c = 0; c < nc; c++) {
             xv[c] = vload(x + c * K + k);
 #if QISA

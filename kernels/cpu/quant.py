@@ -32,7 +32,8 @@ from pdserve import envs
 _SOURCE = Path(__file__).with_name("quant.c")
 ISA_FLAGS = {isa: ("-ffp-contract=off", *flags) for isa, flags in build.ISA_FLAGS.items()}
 ISA_CODES = {0: "portable", 256: "avx2", 512: "avx512"}
-# Most rows of x for the C kernel; more go to the dequantized tiles and torch's GEMM.
+# Most rows of x for the C float kernel; more go to the dequantized tiles and torch's GEMM (unless
+# the integer path takes them: integer_rows).
 QLINEAR_MAX_ROWS = 64
 TILE_BYTES = 1 << 20  # fp32 weight rows per prefill tile (L2 resident)
 WHOLE_BYTES = 16 << 20  # prefill dequantizes a weight whole up to this many fp32 bytes
@@ -220,7 +221,11 @@ _integer: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 def integer_rows(lib: ctypes.CDLL | None = None) -> int:
     """The most rows of fp32 x the build's integer path takes (``quant_int.h``'s QV_MAX_ROWS:
     every count with AVX-512 VNNI, 8 with AVX2), 0 where it has none."""
-    lib = lib or library()
+    return _integer_rows(lib or library())
+
+
+@functools.cache
+def _integer_rows(lib: ctypes.CDLL) -> int:  # asked on every linear call: once per build
     return int(lib.pdserve_qv_max_rows()) if _integer_width(lib) else 0
 
 
